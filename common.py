@@ -1,0 +1,455 @@
+"""Shared maths and plumbing for the StarPO scripts.
+
+Two halves, clearly separated:
+
+* MATHS: small pure torch functions (advantages, clipping, filtering, KL, aggregation). They follow veRL's
+  semantics (see REFERENCE.md §3 of the project notes) and each is tested against a plain-Python reference
+  and hand-worked cases in `tests/test_common.py`. Read them; they are the algorithm.
+* PLUMBING: flag parsing, the embedded tiny model, metrics files. Learners never need to edit these.
+
+Shapes: B = sequences in the batch, T = token positions, G = groups, n = group size, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import typing
+from pathlib import Path
+
+import numpy as np
+import torch
+
+########################################################################################################################
+# MATHS
+########################################################################################################################
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each token under softmax(logits / temperature).
+
+    Dividing by the sampling temperature matters: the sampler drew tokens from the tempered distribution, so
+    the ratio pi_new / pi_old is exactly 1 on-policy only if the update uses the same temperature.
+    logits: (B, T, V), tokens: (B, T) -> (B, T).
+    """
+    z = logits.float() / temperature  # (B, T, V)
+    picked = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return picked - torch.logsumexp(z, dim=-1)  # (B, T); avoids materialising a second (B, T, V) tensor
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits): H = logsumexp(z) - sum(softmax(z) * z). (..., V) -> (...).
+
+    Pass logits already divided by the temperature to get the entropy of the sampling distribution.
+    """
+    z = logits.float()
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over positions where mask == 1; 0 (not NaN) when the mask is empty."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to a scalar. Fully masked rows are ignored, never NaN.
+
+    token-mean: every trained token weighs the same (long answers weigh more).  seq-mean-token-mean: every
+    sequence weighs the same.  seq-mean-token-sum: sum per sequence, mean over sequences.
+    seq-mean-token-sum-norm: total sum divided by the number of positions T (Dr. GRPO's length-unbiased form).
+    """
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    row_sum = (loss_mat * mask).sum(-1)  # (B,)
+    row_count = mask.sum(-1)  # (B,)
+    has_tokens = (row_count > 0).to(loss_mat.dtype)  # (B,)
+    n_rows = has_tokens.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return (row_sum / row_count.clamp(min=1) * has_tokens).sum() / n_rows
+    if mode == "seq-mean-token-sum":
+        return (row_sum * has_tokens).sum() / n_rows
+    if mode == "seq-mean-token-sum-norm":
+        return row_sum.sum() / loss_mat.shape[-1]
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGG_MODES}")
+
+
+def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: str = "token-mean") -> float:
+    """Scale for one micro-batch's loss so that gradient accumulation reproduces the whole mini-batch's agg_loss.
+
+    token-mean weighs by trained tokens, the seq-mean modes by sequences that have tokens, and sum-norm (already
+    a plain sum divided by T) needs no scaling when micro- and mini-batch share the same T.
+    """
+    if mode == "token-mean":
+        return (micro_mask.sum() / mini_mask.sum().clamp(min=1)).item()
+    if mode == "seq-mean-token-sum-norm":
+        return 1.0
+    rows = lambda m: (m.sum(-1) > 0).sum().clamp(min=1)  # noqa: E731
+    return (rows(micro_mask) / rows(mini_mask)).item()
+
+
+def group_advantages(scores: torch.Tensor, norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantage per trajectory: (s - group mean) / (group std + eps). (G, n) -> (G, n).
+
+    The std is the unbiased (n - 1) one, as in veRL. norm_std=False gives Dr. GRPO's s - mean.
+    A group whose scores are all equal gets zeros (no signal), never NaN.
+    This is the one place where GRPO normalises: skip it and "GRPO" quietly becomes REINFORCE on raw reward.
+    """
+    scores = scores.float()
+    centred = scores - scores.mean(dim=1, keepdim=True)  # (G, n)
+    if not norm_std:
+        return centred
+    if scores.shape[1] < 2:
+        return torch.zeros_like(scores)
+    std = scores.std(dim=1, keepdim=True, unbiased=True)  # (G, 1)
+    return centred / (std + eps)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0):
+    """Generalised advantage estimation over token positions, skipping masked (non-trained) positions.
+
+    rewards, values, mask: (B, T). Returns (advantages, returns), both (B, T), advantages not yet whitened.
+    Backward scan: delta_t = r_t + gamma * next_value - V_t, g_t = delta_t + gamma * lam * last_gae, and only
+    where mask_t = 1 do we move next_value <- V_t and last_gae <- g_t. A masked position (e.g. an observation
+    token between two turns) therefore carries the advantage from its right, so the turns chain together as
+    if the observation were not there.
+    """
+    B, T = rewards.shape
+    rewards, values, mask = rewards.float(), values.float(), mask.float()
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,)
+    last_gae = torch.zeros_like(next_value)  # (B,)
+    advantages = torch.zeros_like(values)  # (B, T)
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        g = delta + gamma * lam * last_gae  # (B,)
+        m = mask[:, t]  # (B,)
+        next_value = m * values[:, t] + (1 - m) * next_value
+        last_gae = m * g + (1 - m) * last_gae
+        advantages[:, t] = last_gae
+    returns = advantages + values
+    return advantages, returns
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries (unbiased variance); masked-out entries become 0."""
+    mask = mask.to(x.dtype)
+    count = mask.sum()
+    mean = masked_mean(x, mask)
+    centred = (x - mean) * mask
+    if count < 2:  # one token has no variance: centre it, do not scale it
+        return centred
+    var = (centred**2).sum() / (count - 1)
+    return centred * torch.rsqrt(var + eps)
+
+
+def filter_groups(scores: torch.Tensor, keep_ratio: float, mode: str = "std") -> torch.Tensor:
+    """StarPO-S's uncertainty filter: indices (ascending) of the groups to train on. scores: (G, n).
+
+    Groups are ranked by the std of trajectory reward inside the group (high std = the policy is unsure
+    there, so there is something to learn). "std" keeps the top keep_ratio of groups, "std_rev" the lowest.
+    At least one group is kept. Ties go to the lower group index, so the result is deterministic.
+    """
+    if not 0 < keep_ratio <= 1:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
+    if mode not in ("std", "std_rev"):
+        raise ValueError(f"unknown filter mode {mode!r}; choose 'std' or 'std_rev'")
+    G, n = scores.shape
+    std = scores.float().std(dim=1, unbiased=True).tolist() if n > 1 else [0.0] * G
+    k = max(1, int(G * keep_ratio + 1e-9))  # the epsilon keeps 0.29 * 100 from flooring to 28
+    sign = -1.0 if mode == "std" else 1.0
+    ranked = sorted(range(G), key=lambda g: (sign * std[g], g))
+    return torch.tensor(sorted(ranked[:k]), dtype=torch.long)
+
+
+def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean"):
+    """PPO clipped surrogate with decoupled clip (DAPO) and dual clip for negative advantages.
+
+    All tensors (B, T). Returns (loss, metrics). L1 = -A * rho, L2 = -A * clip(rho, 1 - clip_low, 1 + clip_high),
+    Lc = max(L1, L2); where A < 0 the dual clip caps the loss at -A * dual_clip so that one token whose ratio
+    exploded cannot dominate the batch. dual_clip=None turns it off.
+    """
+    mask = mask.float()
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # (B, T)
+    ratio = log_ratio.exp()  # (B, T)
+    loss1 = -advantages * ratio  # (B, T)
+    loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
+    clipped = torch.maximum(loss1, loss2)  # (B, T)
+    metrics = {"pg_clipfrac": masked_mean((loss2 > loss1).float(), mask).item()}
+    if dual_clip is not None:
+        loss3 = -advantages * dual_clip  # (B, T)
+        negative = advantages < 0
+        clipped_lower = (clipped > loss3) & negative  # (B, T)
+        loss_mat = torch.where(negative, torch.minimum(clipped, loss3), clipped)  # (B, T)
+        metrics["pg_clipfrac_lower"] = masked_mean(clipped_lower.float(), mask).item()
+    else:
+        loss_mat = clipped
+        metrics["pg_clipfrac_lower"] = 0.0
+    metrics["ppo_kl"] = masked_mean(-log_ratio, mask).item()
+    loss = agg_loss(loss_mat, mask, agg)
+    metrics["pg_loss"] = loss.item()
+    return loss, metrics
+
+
+def value_loss(values, old_values, returns, mask, clip=0.5, agg="token-mean"):
+    """Clipped value loss: 0.5 * agg(max((v - R)^2, (v_clip - R)^2)), v_clip = old + clip(v - old, -c, c).
+
+    All tensors (B, T). Returns (loss, metrics).
+    """
+    mask = mask.float()
+    v_clipped = old_values + (values - old_values).clamp(-clip, clip)  # (B, T)
+    err = (values - returns) ** 2  # (B, T)
+    err_clipped = (v_clipped - returns) ** 2  # (B, T)
+    loss = 0.5 * agg_loss(torch.maximum(err, err_clipped), mask, agg)
+    metrics = {"vf_loss": loss.item(), "vf_clipfrac": masked_mean((err_clipped > err).float(), mask).item()}
+    return loss, metrics
+
+
+KL_KINDS = ("k1", "abs", "k2", "k3")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference. (B, T) -> (B, T).
+
+    k1 = logp - ref (unbiased, can be negative), abs = |logp - ref|, k2 = 0.5 (logp - ref)^2,
+    k3 = exp(x) - x - 1 with x = ref - logp (Schulman's low-variance, always >= 0), clamped for safety.
+    """
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "abs":
+        return (logp - ref_logp).abs()
+    if kind == "k2":
+        return 0.5 * (logp - ref_logp) ** 2
+    if kind == "k3":
+        x = (ref_logp - logp).clamp(-20.0, 20.0)
+        return (x.exp() - x - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; choose from {KL_KINDS}")
+
+
+########################################################################################################################
+# PLUMBING — learners never need to edit below this line
+########################################################################################################################
+
+
+def fail(flag: str, message: str) -> typing.NoReturn:
+    """Print one line naming the bad flag and exit with status 2 (argparse's convention), before any model loads."""
+    print(f"error: {flag}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """The docstring written under each dataclass field (the CleanRL / tyro convention), read from the source."""
+    docs: dict[str, str] = {}
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return docs
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).strip()
+    return docs
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints the whole usage block; we print the one line that matters
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(cls, argv=None, description: str | None = None):
+    """Turn a dataclass into kebab-case flags (field `group_size` -> `--group-size`) and parse argv into it."""
+    parser = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        tp, kw = hints[f.name], {"default": f.default, "help": docs.get(f.name, " ").replace("%", "%%")}
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            tp = next(a for a in args if a is not type(None))  # Optional[X] -> X (None means "pick for me")
+            args = typing.get_args(tp)
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(tp) is typing.Literal:
+            kw["choices"], kw["type"] = list(args), type(args[0])
+        else:
+            kw["type"] = tp
+        parser.add_argument(flag, **kw)
+    return cls(**vars(parser.parse_args(argv)))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def model_is_reachable(model_id: str) -> bool:
+    """True if `model_id` is a local directory, is in the Hugging Face cache, or (when online) its config downloads."""
+    if os.path.isdir(model_id):
+        return True
+    try:
+        from huggingface_hub import hf_hub_download
+
+        hf_hub_download(model_id, "config.json", local_files_only=True)
+        return True
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        from huggingface_hub import hf_hub_download
+
+        hf_hub_download(model_id, "config.json", etag_timeout=5)
+        return True
+    except Exception:
+        return False
+
+
+class Metrics:
+    """Appends one JSON object per line to `path` (flushed every write so a crashed run keeps its history)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        clean = {k: (float(v) if isinstance(v, (np.floating, torch.Tensor)) else v) for k, v in record.items()}
+        self._f.write(json.dumps(clean, allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+#### The embedded tiny model ###########################################################################################
+# A few-million-parameter Qwen2-architecture causal LM with a byte-level BPE tokenizer trained on the task's own
+# text and Qwen's chat format (<|im_start|>role ... <|im_end|>). It is saved with save_pretrained, so
+# AutoModelForCausalLM, AutoTokenizer and vLLM load it like any Hugging Face model. Each script hands in warm-up
+# transcripts whose answers are uniformly random valid ones: the model learns the reply format, not the task.
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_VERSION = 1  # bump when the recipe changes so stale caches are rebuilt
+
+
+def tiny_cache_root() -> Path:
+    return Path(os.environ.get("STARPO_CACHE", Path.home() / ".cache" / "starpo"))
+
+
+def build_tiny_model(
+    name: str,
+    examples: list[tuple[list[dict], str]],
+    seed: int = 0,
+    vocab_size: int = 1024,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    sft_steps: int = 60,
+    sft_batch_size: int = 32,
+    sft_lr: float = 3e-3,
+    log=print,
+) -> Path:
+    """Build (or reuse from the cache) the embedded tiny model for one task and return its directory.
+
+    examples: (chat messages, assistant reply) pairs for the format warm-up. The cache key hashes the examples
+    and the recipe, so editing the prompt rebuilds the model; the build is deterministic from `seed`.
+    """
+    recipe = dict(v=TINY_VERSION, seed=seed, vocab=vocab_size, hidden=hidden_size, layers=num_layers,
+                  steps=sft_steps, bs=sft_batch_size, lr=sft_lr, torch=torch.__version__.split("+")[0])
+    key = hashlib.sha256(json.dumps([recipe, examples], sort_keys=True).encode()).hexdigest()[:12]
+    out = tiny_cache_root() / f"tiny-{name}-{key}"
+    if (out / "build_info.json").exists():
+        return out
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    t0 = time.time()
+    log(f"building the embedded tiny model '{name}' in {out} (first run only) ...")
+    # Tokenizer: byte-level BPE, so any string (even model garbage) round-trips exactly.
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [m["content"] for msgs, _ in examples for m in msgs] + [reply for _, reply in examples]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  chat_template=TINY_CHAT_TEMPLATE)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+
+    # Data: loss only on the assistant reply (and its closing <|im_end|>).
+    rows = []
+    for msgs, reply in examples:
+        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        r_ids = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append((p_ids + r_ids, len(p_ids)))
+    max_len = max(len(ids) for ids, _ in rows)
+
+    seed_everything(seed)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=hidden_size * 3,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, tie_word_embeddings=True,
+                         bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    model = Qwen2ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=sft_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / sft_steps)))
+    rng = random.Random(seed)
+    model.train()
+    for step in range(sft_steps):
+        batch = [rows[rng.randrange(len(rows))] for _ in range(sft_batch_size)]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), tok.pad_token_id)  # (B, T), right-padded
+        labels = torch.full((len(batch), width), -100)  # (B, T); -100 = ignored by the loss
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (ids, p_len) in enumerate(batch):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, p_len : len(ids)] = torch.tensor(ids[p_len:])
+            attn[i, : len(ids)] = 1
+        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == sft_steps - 1:
+            log(f"  warm-up step {step:4d}/{sft_steps}  loss {loss.item():.3f}")
+
+    # Neutral sampling defaults: scripts always pass their own temperature / top_p / top_k.
+    model.generation_config.do_sample = True
+    model.generation_config.temperature, model.generation_config.top_p, model.generation_config.top_k = 1.0, 1.0, 0
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    info = dict(recipe, name=name, params=sum(p.numel() for p in model.parameters()), max_len=max_len,
+                final_sft_loss=round(loss.item(), 4), build_seconds=round(time.time() - t0, 1))
+    (tmp / "build_info.json").write_text(json.dumps(info, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, out)  # atomic: a half-built model never sits at the final path
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"  tiny model ready: {info['params'] / 1e6:.1f}M parameters, {info['build_seconds']}s")
+    return out
