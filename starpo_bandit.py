@@ -1,0 +1,803 @@
+"""StarPO and StarPO-S on RAGEN's two-arm bandit, in one file.
+
+The agent sees two named arms, thinks inside <think>...</think> and answers an arm name inside
+<answer>...</answer>. The low-risk arm ("Phoenix") always pays 0.15; the high-risk arm ("Dragon") pays 1.0 with
+probability 0.25, so it is worth more on average. Success = choosing the high-risk arm.
+
+StarPO (RAGEN, arXiv 2504.20073) treats the reply as a trajectory and trains it with PPO (critic + GAE) or GRPO.
+StarPO-S, the default here, adds three stabilisers: keep only the 25% of groups whose rewards disagree most
+(uncertainty filtering), drop the KL term, and clip asymmetrically (0.2 / 0.28) plus a dual clip of 3 for
+negative advantages.
+
+Run it:
+    python starpo_bandit.py                                     # CPU: embedded tiny model, a few minutes
+    python starpo_bandit.py --model Qwen/Qwen2.5-0.5B-Instruct  # GPU: vLLM generation, RAGEN's defaults
+    python starpo_bandit.py --low-arm-name Teacher --high-arm-name Engineer \
+        --val-low-arm-name Librarian --val-high-arm-name Trader  # generalisation: train on one pair, test another
+
+How it departs from the paper / RAGEN:
+  * The payout draw is a pure function of the reset seed, and all members of a group share the seed, so a group
+    shares its luck: if Dragon pays in that group, it pays for every member who chose it. (RAGEN's code seeds the
+    same way.) With GRPO's per-group normalisation this matters: Phoenix "wins" 75% of groups, so plain StarPO
+    with GRPO tends to drift towards Phoenix, while StarPO-S's filter keeps the high-std groups, where Dragon paid.
+  * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built and format-warmed on first
+    use (random valid answers only, so the task itself is learned by RL); it uses CPU-sized defaults, printed at
+    start. Paper defaults apply to any other model.
+  * The rubric (env reward + format + invalid-answer penalty) is explicit and logged per component.
+
+Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
+in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
+when (a) the mean in-group std over the last 3 steps falls below 10% of its best earlier value (after 5 steps), or
+(b) the gradient norm exceeds 5x the median of the previous 10 steps. On the bandit, (a) also fires when the policy
+has simply converged (everyone picks Dragon): check `val/success` to tell the two apart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+import common
+from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
+
+
+@dataclass
+class Args:
+    # ---- run ----
+    seed: int = 0
+    """random seed (training seeds, sampling, shuffling)"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, config.json and checkpoints go (default: runs/bandit-<algo>-<estimator>-s<seed>)"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available"""
+    # ---- model and generation ----
+    model: str = "auto"
+    """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
+    max_tokens: Optional[int] = None
+    """max new tokens per reply (paper 500; tiny 40)"""
+    max_model_len: int = 3600
+    """longest prompt + reply the model may see"""
+    temperature: float = 1.0
+    """sampling temperature for training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling for training rollouts"""
+    val_temperature: float = 0.5
+    """sampling temperature for evaluation"""
+    gen_batch_size: int = 256
+    """hf backend: replies generated per generate() call"""
+    vllm_gpu_memory_utilization: float = 0.4
+    """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
+    # ---- environment ----
+    low_arm_name: str = "Phoenix"
+    """name of the low-risk arm during training"""
+    high_arm_name: str = "Dragon"
+    """name of the high-risk arm during training"""
+    val_low_arm_name: Optional[str] = None
+    """low-risk arm name at evaluation (default: same as training)"""
+    val_high_arm_name: Optional[str] = None
+    """high-risk arm name at evaluation (default: same as training)"""
+    low_arm_reward: float = 0.15
+    """payout of the low-risk arm (paper 0.15; RAGEN's code 0.1)"""
+    high_arm_reward: float = 1.0
+    """payout of the high-risk arm when it pays"""
+    high_arm_prob: float = 0.25
+    """probability that the high-risk arm pays"""
+    # ---- algorithm ----
+    algo: Literal["starpo", "starpo-s"] = "starpo-s"
+    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
+    estimator: Literal["gae", "grpo"] = "gae"
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward"""
+    n_groups: Optional[int] = None
+    """groups (distinct initial states) per step (paper 8; tiny 8)"""
+    group_size: Optional[int] = None
+    """rollouts per group, all from the same seed (paper 16; tiny 8)"""
+    keep_ratio: Optional[float] = None
+    """uncertainty filter: fraction of groups kept (starpo 1.0, starpo-s 0.25)"""
+    filter_mode: Literal["std", "std_rev"] = "std"
+    """keep the highest-std groups (std) or, as an ablation, the lowest (std_rev)"""
+    kl_coef: Optional[float] = None
+    """weight of the KL-to-reference loss (starpo 0.001, starpo-s 0)"""
+    kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
+    """KL estimator"""
+    clip_low: float = 0.2
+    """PPO clip below 1"""
+    clip_high: Optional[float] = None
+    """PPO clip above 1 (starpo 0.2, starpo-s 0.28)"""
+    dual_clip: Optional[float] = None
+    """cap on the loss of negative-advantage tokens, > 1 (starpo off, starpo-s 3.0); 0 turns it off"""
+    entropy_coef: float = 0.001
+    """entropy bonus weight"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses are reduced"""
+    norm_adv_by_std: bool = True
+    """grpo: divide by the group std (off = Dr. GRPO)"""
+    gamma: float = 1.0
+    """gae discount"""
+    lam: float = 1.0
+    """gae lambda"""
+    value_clip: float = 0.5
+    """critic value clip"""
+    # ---- optimisation ----
+    steps: Optional[int] = None
+    """training steps (paper 200; tiny 40)"""
+    lr: Optional[float] = None
+    """actor learning rate (paper 1e-6; tiny 1e-4)"""
+    critic_lr: Optional[float] = None
+    """critic learning rate (paper 1e-5; tiny 1e-3)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    grad_clip: float = 1.0
+    """gradient-norm clip"""
+    ppo_epochs: int = 1
+    """passes over each batch"""
+    mini_batch_size: int = 32
+    """trajectories per optimizer step"""
+    micro_batch_size: int = 32
+    """trajectories per forward/backward (gradient accumulation; lower it if memory runs out)"""
+    # ---- evaluation and logging ----
+    eval_every: int = 10
+    """evaluate every N steps (and before training); 0 = only before and after"""
+    val_size: Optional[int] = None
+    """evaluation seeds (paper 256; tiny 256)"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0 = only at the end)"""
+    sample_every: int = 10
+    """print one rollout with its rubric breakdown every N steps (0 = never)"""
+
+
+PAPER_DEFAULTS = dict(max_tokens=500, n_groups=8, group_size=16, steps=200, lr=1e-6, critic_lr=1e-5, val_size=256)
+# The tiny model learns from scratch-sized steps: far larger learning rates, short replies, fewer steps.
+TINY_DEFAULTS = dict(max_tokens=40, n_groups=8, group_size=8, steps=40, lr=1e-4, critic_lr=1e-3, val_size=256)
+QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+########################################################################################################################
+# ENVIRONMENT
+########################################################################################################################
+
+
+class BanditEnv:
+    """RAGEN's two-arm bandit. One step per episode: the answer is an arm name, compared case-insensitively."""
+
+    def __init__(self, low_name="Phoenix", high_name="Dragon", low_reward=0.15, high_reward=1.0, high_prob=0.25):
+        self.low_name, self.high_name = low_name, high_name
+        self.low_reward, self.high_reward, self.high_prob = low_reward, high_reward, high_prob
+        self.names: list[str] = []
+        self.rng = random.Random(0)
+
+    def reset(self, seed: int) -> str:
+        # Everything random in an episode comes from the seed: the order the arms are shown in and the payout draw.
+        self.rng = random.Random(seed)
+        self.names = [self.low_name, self.high_name]
+        if self.rng.random() < 0.5:
+            self.names.reverse()
+        return BANDIT_PROMPT.format(a=self.names[0], b=self.names[1])
+
+    def step(self, action: str):
+        choice = action.strip().lower()
+        draw = self.rng.random()
+        if choice == self.high_name.lower():
+            reward = self.high_reward if draw < self.high_prob else 0.0
+        elif choice == self.low_name.lower():
+            reward = self.low_reward
+        else:
+            reward = 0.0
+        valid = choice in (self.low_name.lower(), self.high_name.lower())
+        info = {"success": choice == self.high_name.lower(), "action_is_valid": valid}
+        obs = f"You chose {action.strip()[:40]!r} and received {reward}." if valid else "Invalid answer: no arm pulled."
+        return obs, reward, True, info
+
+
+BANDIT_PROMPT = (
+    "You are playing a bandit game. Goal: maximize your total reward by choosing which arm to pull.\n"
+    "Game rules:\n"
+    "1. There are 2 arms, named {a} and {b}.\n"
+    "2. Each arm has its own reward distribution, related to its name.\n"
+    "3. Analyze the symbolic meaning of each arm's name to guess how its reward distribution might behave.\n"
+    "4. Based on that meaning, which arm is more likely to give a higher reward on average? "
+    "Choose between {a} and {b}, and answer like <answer> {a} </answer> or <answer> {b} </answer>."
+)
+
+########################################################################################################################
+# RUBRIC — edit me. Each function scores one finished rollout; the total is the weighted sum of RUBRIC.
+########################################################################################################################
+
+
+@dataclass
+class Sample:
+    """One finished rollout, as the rubric sees it."""
+
+    text: str  # the raw reply, exactly as generated
+    think: Optional[str]  # inside <think>...</think>, None if not well formed
+    answer: Optional[str]  # inside <answer>...</answer>, None if missing, repeated or unclosed
+    env_reward: float  # what the environment paid
+    info: dict  # the environment's info: success, action_is_valid
+
+
+def env_reward(s: Sample) -> float:
+    """The bandit's payout: high-risk arm 1.0 with probability 0.25 (else 0), low-risk arm 0.15, invalid 0."""
+    return s.env_reward
+
+
+FORMAT_RE = re.compile(
+    r"\s*<think>(?:(?!</?think>|</?answer>).)*</think>\s*<answer>(?:(?!</?think>|</?answer>).)*</answer>\s*",
+    re.DOTALL,  # without DOTALL, '.' stops at newlines and multi-line thinking would never match
+)
+
+
+def format_reward(s: Sample) -> float:
+    """1 if the reply is exactly one <think>...</think> then one <answer>...</answer> (whitespace around), else 0."""
+    return 1.0 if FORMAT_RE.fullmatch(s.text) else 0.0
+
+
+def invalid_answer_penalty(s: Sample) -> float:
+    """-1 when the answer is missing, malformed or not one of the two arm names; 0 otherwise."""
+    return 0.0 if s.info["action_is_valid"] else -1.0
+
+
+# (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
+RUBRIC = [
+    (env_reward, 1.0),
+    (format_reward, 0.1),
+    (invalid_answer_penalty, 0.1),
+]
+
+
+def score(s: Sample) -> tuple[float, dict[str, float]]:
+    """Total reward = sum of weight * component; also returns each component's unweighted value for logging."""
+    parts = {fn.__name__: float(fn(s)) for fn, _ in RUBRIC}
+    total = sum(w * parts[fn.__name__] for fn, w in RUBRIC)
+    return total, parts
+
+
+########################################################################################################################
+# PROMPT AND PARSING
+########################################################################################################################
+
+SYSTEM_PROMPT = "You're a helpful assistant. You always think before you answer."
+FORMAT_PROMPT = "Always output: <think> [your thoughts] </think> <answer> [your answer] </answer> with no extra text."
+
+
+def make_messages(obs: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": obs + "\n" + FORMAT_PROMPT}]
+
+
+def _between(text: str, tag: str) -> Optional[str]:
+    """Content of the single <tag>...</tag> in text; None if the tag is missing, repeated, nested or unclosed."""
+    open_tag, close_tag = f"<{tag}>", f"</{tag}>"
+    if text.count(open_tag) != 1 or text.count(close_tag) != 1:
+        return None
+    start, end = text.index(open_tag) + len(open_tag), text.index(close_tag)
+    return text[start:end].strip() if start <= end else None
+
+
+def parse_reply(text: str) -> tuple[Optional[str], Optional[str]]:
+    """(think, answer) from a reply. Never raises, never evaluates anything: plain string search only."""
+    return _between(text, "think"), _between(text, "answer")
+
+
+########################################################################################################################
+# GENERATION — hf (transformers' generate, CPU or fallback) and vllm (in-process engine on a GPU)
+########################################################################################################################
+
+
+def stop_token_ids(tok) -> list[int]:
+    """Token ids that end a reply: Qwen's <|im_end|> and <|endoftext|>, plus the tokenizer's eos."""
+    ids = {tok.eos_token_id} | {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()}
+    return sorted(i for i in ids if i is not None)
+
+
+def cut_at_stop(ids: list[int], logps: list[float], stops: list[int]) -> tuple[list[int], list[float]]:
+    """Keep tokens up to and including the first stop token (the model emitted it, so it is trained too)."""
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[: i + 1], logps[: i + 1]
+    return ids, logps
+
+
+@torch.no_grad()
+def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size):
+    """Sample one reply per prompt with transformers' generate. Returns [(reply token ids, their log-probs)]."""
+    from transformers import GenerationConfig
+
+    stops = stop_token_ids(tok)
+    # A fresh config: a checkpoint's own generation_config (Qwen's top_k=20, repetition_penalty=1.05) must not leak in.
+    cfg = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_tokens,
+                           eos_token_id=stops, pad_token_id=tok.pad_token_id, return_dict_in_generate=True,
+                           output_logits=True)
+    device = next(model.parameters()).device
+    results = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(len(p) for p in chunk)
+        input_ids = torch.full((len(chunk), width), tok.pad_token_id, device=device)  # (b, P), left-padded
+        attn = torch.zeros((len(chunk), width), dtype=torch.long, device=device)  # (b, P)
+        for j, p in enumerate(chunk):
+            input_ids[j, width - len(p) :] = torch.tensor(p)
+            attn[j, width - len(p) :] = 1
+        out = model.generate(input_ids=input_ids, attention_mask=attn, generation_config=cfg)
+        new = out.sequences[:, width:]  # (b, R)
+        logits = torch.stack(out.logits, dim=1)  # (b, R, V), raw logits of each sampling step
+        logps = common.token_logprobs(logits, new, temperature)  # (b, R)
+        for j in range(len(chunk)):
+            results.append(cut_at_stop(new[j].tolist(), logps[j].tolist(), stops))
+    return results
+
+
+def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
+    """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
+    return dict(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.max_model_len,
+                enable_prefix_caching=True, trust_remote_code=False,
+                logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
+                generation_config="vllm")  # ignore the checkpoint's sampling defaults and extra eos ids
+
+
+def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stops: list[int]) -> dict:
+    """Keyword arguments for vllm.SamplingParams: same semantics as hf_generate (no top-k, no penalties)."""
+    return dict(n=1, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, stop_token_ids=stops,
+                logprobs=0, skip_special_tokens=False)
+
+
+def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
+    from vllm import SamplingParams
+
+    stops = stop_token_ids(tok)
+    params = SamplingParams(**vllm_sampling_kwargs(temperature, top_p, max_tokens, stops))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        logps = [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else [0.0] * len(ids)
+        if c.finish_reason == "stop" and ids and ids[-1] not in stops and c.stop_reason in stops:
+            ids, logps = ids + [c.stop_reason], logps + [0.0]  # keep the stop token in the trained sequence
+        results.append(cut_at_stop(ids, logps, stops))
+    return results
+
+
+def vllm_push_weights(llm, model) -> None:
+    """Copy the freshly updated policy into vLLM's copy, then drop prefixes cached under the old weights."""
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    runner.load_weights((name, p.detach()) for name, p in model.state_dict().items())
+    llm.reset_prefix_cache()
+
+
+########################################################################################################################
+# ROLLOUT
+########################################################################################################################
+
+
+@dataclass
+class Trajectory:
+    seed: int
+    prompt_ids: list[int]
+    reply_ids: list[int]
+    gen_logprobs: list[float]
+    sample: Sample
+    score: float
+    parts: dict
+
+
+def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float) -> list[Trajectory]:
+    """One episode per seed: reset, prompt, sample a reply, parse, step, score."""
+    envs = [BanditEnv(**env_kwargs) for _ in seeds]
+    prompts = []
+    for env, seed in zip(envs, seeds):
+        text = tok.apply_chat_template(make_messages(env.reset(seed)), add_generation_prompt=True, tokenize=False)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    replies = generate(prompts, temperature)
+    stops = set(stop_token_ids(tok))
+    trajs = []
+    for env, seed, p_ids, (r_ids, r_logps) in zip(envs, seeds, prompts, replies):
+        text = tok.decode([t for t in r_ids if t not in stops], skip_special_tokens=False)
+        think, answer = parse_reply(text)
+        _, reward, _, info = env.step(answer if answer is not None else "")
+        sample = Sample(text=text, think=think, answer=answer, env_reward=reward, info=info)
+        total, parts = score(sample)
+        trajs.append(Trajectory(seed, p_ids, r_ids, r_logps, sample, total, parts))
+    return trajs
+
+
+def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
+    """Prompt left-padded, reply right-padded, so every reply starts at the same column P:
+
+        input_ids  (B, P + R):  [pad pad p p p | r r r pad]
+        reply_mask (B, R):                      [1 1 1 0  ]
+    """
+    P = max(len(t.prompt_ids) for t in trajs)
+    R = max(max(len(t.reply_ids) for t in trajs), 1)
+    B = len(trajs)
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    reply_mask = torch.zeros((B, R))
+    for i, t in enumerate(trajs):
+        p, r = len(t.prompt_ids), len(t.reply_ids)
+        input_ids[i, P - p : P + r] = torch.tensor(t.prompt_ids + t.reply_ids)
+        attn[i, P - p : P + r] = 1
+        reply_mask[i, :r] = 1
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+    batch = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, reply_mask=reply_mask,
+                 reply_ids=input_ids[:, P:], prompt_len=torch.tensor([len(t.prompt_ids) for t in trajs]),
+                 reply_len=torch.tensor([len(t.reply_ids) for t in trajs]), P=P)
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def micro_view(batch: dict, idx: torch.Tensor) -> dict:
+    """Rows idx of the batch, with columns trimmed to the longest prompt and reply among those rows."""
+    P = batch["P"]
+    p0 = P - int(batch["prompt_len"][idx].max())
+    r1 = max(int(batch["reply_len"][idx].max()), 1)
+    view = {k: batch[k][idx, p0 : P + r1] for k in ("input_ids", "attention_mask", "position_ids")}
+    view.update({k: batch[k][idx, :r1] for k in ("reply_mask", "reply_ids")}, r1=r1, idx=idx)
+    return view
+
+
+########################################################################################################################
+# UPDATE — policy, critic and the forward passes they share
+########################################################################################################################
+
+
+class Critic(nn.Module):
+    """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
+
+    def __init__(self, path: str, dtype):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+        self.head = nn.Linear(self.body.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)  # start at V = 0: advantages begin as plain returns
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, mb: dict) -> torch.Tensor:
+        h = self.body(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                      position_ids=mb["position_ids"]).last_hidden_state  # (b, p + r, H)
+        h = h[:, -(mb["r1"] + 1) : -1]  # (b, r, H): the state just before each reply token
+        return self.head(h.float()).squeeze(-1)  # (b, r)
+
+
+def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of the reply tokens. Only the reply positions go through the LM head."""
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
+                logits_to_keep=mb["r1"] + 1)
+    logits = out.logits[:, :-1].float() / temperature  # (b, r, V): position t predicts reply token t
+    logp = common.token_logprobs(logits, mb["reply_ids"], 1.0)  # (b, r)
+    entropy = common.entropy_from_logits(logits)  # (b, r)
+    return logp, entropy
+
+
+def micro_batches(n: int, size: int, generator=None):
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
+########################################################################################################################
+# MAIN
+########################################################################################################################
+
+
+def resolve_args(args: Args) -> tuple[Args, str, str, str]:
+    """Check every flag and fill the derived defaults. Runs before any model loads; bad input exits with one line."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        common.fail("--device", "cuda requested but no CUDA device is visible")
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    model = args.model if args.model != "auto" else (QWEN if device == "cuda" else "tiny")
+    if model != "tiny" and not common.model_is_reachable(model):
+        common.fail("--model", f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
+                               f"(offline?); use --model tiny for the embedded model")
+    backend = args.backend
+    if backend in ("auto", "vllm"):
+        try:
+            import vllm  # noqa: F401
+
+            has_vllm = device == "cuda"
+        except Exception:
+            has_vllm = False
+        if backend == "vllm" and not has_vllm:
+            common.fail("--backend", "vllm needs a CUDA device and `pip install -r requirements-vllm.txt`; use --backend hf")
+        backend = "vllm" if has_vllm else "hf"
+    defaults = TINY_DEFAULTS if model == "tiny" else PAPER_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    s = args.algo == "starpo-s"
+    args.keep_ratio = args.keep_ratio if args.keep_ratio is not None else (0.25 if s else 1.0)
+    args.kl_coef = args.kl_coef if args.kl_coef is not None else (0.0 if s else 0.001)
+    args.clip_high = args.clip_high if args.clip_high is not None else (0.28 if s else 0.2)
+    args.dual_clip = args.dual_clip if args.dual_clip is not None else (3.0 if s else 0.0)
+    args.val_low_arm_name = args.val_low_arm_name or args.low_arm_name
+    args.val_high_arm_name = args.val_high_arm_name or args.high_arm_name
+    args.output_dir = args.output_dir or f"runs/bandit-{args.algo}-{args.estimator}-s{args.seed}"
+
+    checks = [
+        ("--group-size", args.group_size >= 2 or args.estimator != "grpo", "must be >= 2 with --estimator grpo (a group of one has no baseline)"),
+        ("--group-size", args.group_size >= 1, "must be >= 1"),
+        ("--n-groups", args.n_groups >= 1, "must be >= 1"),
+        ("--keep-ratio", 0 < args.keep_ratio <= 1, f"must be in (0, 1], got {args.keep_ratio}"),
+        ("--dual-clip", args.dual_clip == 0 or args.dual_clip > 1, f"must be > 1 (or 0 = off), got {args.dual_clip}"),
+        ("--clip-low", 0 <= args.clip_low < 1, f"must be in [0, 1), got {args.clip_low}"),
+        ("--clip-high", args.clip_high >= 0, f"must be >= 0, got {args.clip_high}"),
+        ("--kl-coef", args.kl_coef >= 0, f"must be >= 0, got {args.kl_coef}"),
+        ("--temperature", args.temperature > 0, "must be > 0"),
+        ("--val-temperature", args.val_temperature > 0, "must be > 0"),
+        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
+        ("--lr", args.lr > 0, "must be > 0"),
+        ("--critic-lr", args.critic_lr > 0, "must be > 0"),
+        ("--steps", args.steps >= 0, "must be >= 0"),
+        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
+        ("--max-tokens", args.max_tokens < args.max_model_len, "must be < --max-model-len"),
+        ("--val-size", args.val_size >= 1, "must be >= 1"),
+        ("--ppo-epochs", args.ppo_epochs >= 1, "must be >= 1"),
+        ("--mini-batch-size", args.mini_batch_size >= 1, "must be >= 1"),
+        ("--micro-batch-size", args.micro_batch_size >= 1, "must be >= 1"),
+        ("--gen-batch-size", args.gen_batch_size >= 1, "must be >= 1"),
+        ("--eval-every", args.eval_every >= 0, "must be >= 0"),
+        ("--high-arm-prob", 0 <= args.high_arm_prob <= 1, "must be in [0, 1]"),
+        ("--high-arm-name", args.low_arm_name.strip().lower() != args.high_arm_name.strip().lower(), "must differ from --low-arm-name"),
+        ("--val-high-arm-name", args.val_low_arm_name.strip().lower() != args.val_high_arm_name.strip().lower(), "must differ from --val-low-arm-name"),
+        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
+    ]
+    for flag, ok, msg in checks:
+        if not ok:
+            common.fail(flag, msg)
+    return args, device, model, backend
+
+
+def tiny_warmup_examples(pairs: list[tuple[str, str]], n: int = 1000, seed: int = 0) -> list[tuple[list[dict], str]]:
+    """Format-correct transcripts with uniformly random valid answers: the tiny model learns the format only.
+
+    The prompts show this run's arm pairs (training and evaluation) in random order and the answer is either name
+    with probability 1/2, so the model starts out indifferent between the arms: which one pays is left to RL.
+    """
+    rng = random.Random(seed)
+    thoughts = ["Let me compare the two names.", "Each name hints at a reward pattern.",
+                "One arm may be steady, the other risky.", "I will pick one arm.",
+                "The names suggest different payouts.", "I think about what each name means.", ""]
+    examples = []
+    for _ in range(n):
+        a, b = rng.sample(rng.choice(pairs), 2)
+        pick = rng.choice([a, b])
+        think = " ".join(rng.sample(thoughts, rng.randint(1, 2))).strip()
+        examples.append((make_messages(BANDIT_PROMPT.format(a=a, b=b)), f"<think> {think} </think> <answer> {pick} </answer>"))
+    return examples
+
+
+def evaluate(generate, tok, args: Args) -> dict:
+    seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
+    env_kwargs = dict(low_name=args.val_low_arm_name, high_name=args.val_high_arm_name, low_reward=args.low_arm_reward,
+                      high_reward=args.high_arm_reward, high_prob=args.high_arm_prob)
+    trajs = rollout(generate, tok, seeds, env_kwargs, args.val_temperature)
+    return {
+        "val/success": statistics.mean(t.sample.info["success"] for t in trajs),
+        "val/reward": statistics.mean(t.score for t in trajs),
+        "val/action_is_valid": statistics.mean(t.sample.info["action_is_valid"] for t in trajs),
+    }
+
+
+def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
+    """The rule in the module docstring: std collapse, or a gradient-norm spike."""
+    out = []
+    stds = [h["rollout/in_group_std"] for h in history]
+    if len(stds) >= 8 and "std" not in warned:
+        best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
+        if best > 0 and recent < 0.1 * best:
+            warned.add("std")
+            out.append(f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success")
+    norms = [h["actor/grad_norm"] for h in history if math.isfinite(h.get("actor/grad_norm", float("nan")))]
+    if len(norms) >= 6:
+        med = statistics.median(norms[-11:-1])
+        if med > 0 and norms[-1] > 5 * med:
+            out.append(f"gradient norm spiked to {norms[-1]:.3g} (median of the last 10: {med:.3g}): a collapse marker")
+    return out
+
+
+def main(argv=None):
+    args, device, model_name, backend = resolve_args(common.parse_args(Args, argv, description=__doc__.split("\n")[0]))
+    common.seed_everything(args.seed)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
+    model_path = model_name
+    if model_name == "tiny":
+        pairs = sorted({(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)})
+        model_path = str(common.build_tiny_model("bandit", tiny_warmup_examples(pairs)))
+    tqdm.write(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  estimator: {args.estimator}")
+    if model_name == "tiny":
+        tqdm.write("tiny model: CPU-sized defaults " + ", ".join(f"{k}={getattr(args, k)}" for k in TINY_DEFAULTS))
+    (out_dir / "config.json").write_text(json.dumps(dict(asdict(args), model_path=model_path, device=device, backend=backend), indent=1))
+
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    llm = None
+    if backend == "vllm":  # build the engine before the optimizer state takes GPU memory
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        llm = LLM(**vllm_engine_kwargs(args, model_path))
+    dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=False).to(device)
+    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval() if args.kl_coef > 0 else None
+    critic = Critic(model_path, dtype).to(device) if args.estimator == "gae" else None
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+    shuffle_gen = torch.Generator().manual_seed(args.seed)
+
+    def generate(prompts, temperature):
+        policy.eval()
+        if llm is not None:
+            return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
+        with autocast:
+            return hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
+
+    env_kwargs = dict(low_name=args.low_arm_name, high_name=args.high_arm_name, low_reward=args.low_arm_reward,
+                      high_reward=args.high_arm_reward, high_prob=args.high_arm_prob)
+    metrics_file = common.Metrics(out_dir / "metrics.jsonl")
+    history, warned = [], set()
+    t_start = time.time()
+    val = evaluate(generate, tok, args)
+    metrics_file.write({"step": 0, **val, "time_s": 0.0})
+    tqdm.write(f"step 0  val/success {val['val/success']:.3f}  val/reward {val['val/reward']:.3f}")
+    bar = tqdm(range(1, args.steps + 1), desc="starpo-bandit", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        # ---- rollout: n_groups fresh seeds, each shared by group_size rollouts --------------------------------------
+        G, n = args.n_groups, args.group_size
+        group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
+        trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature)
+        t_gen = time.time() - t0
+        scores = torch.tensor([t.score for t in trajs]).view(G, n)  # (G, n)
+
+        # ---- uncertainty filter: train only on the groups whose rewards disagree most -------------------------------
+        group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
+        kept = filter_groups(scores, args.keep_ratio, args.filter_mode)  # (K,)
+        rows = torch.cat([torch.arange(g * n, (g + 1) * n) for g in kept.tolist()])  # (K * n,)
+        batch_trajs = [trajs[i] for i in rows.tolist()]
+        batch = collate(batch_trajs, tok.pad_token_id, device)
+        N, R = batch["reply_mask"].shape
+        mask = batch["reply_mask"]  # (N, R)
+
+        # ---- old log-probs, reference log-probs, values (no grad) ---------------------------------------------------
+        t1 = time.time()
+        old_logp, ref_logp, old_values = torch.zeros(N, R, device=device), torch.zeros(N, R, device=device), torch.zeros(N, R, device=device)
+        policy.eval()
+        with torch.no_grad(), autocast:
+            for idx in micro_batches(N, args.micro_batch_size):
+                mb = micro_view(batch, idx)
+                old_logp[idx, : mb["r1"]] = policy_forward(policy, mb, args.temperature)[0]
+                if ref is not None:
+                    ref_logp[idx, : mb["r1"]] = policy_forward(ref, mb, args.temperature)[0]
+                if critic is not None:
+                    old_values[idx, : mb["r1"]] = critic(mb).float()
+
+        # ---- advantages -----------------------------------------------------------------------------------------
+        kept_scores = scores[kept]  # (K, n)
+        if args.estimator == "grpo":
+            adv_traj = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1)  # (N,)
+            advantages = adv_traj.to(device)[:, None] * mask  # (N, R): one value for every reply token
+            returns = None
+        else:
+            token_rewards = torch.zeros(N, R, device=device)  # (N, R): the score sits on the last reply token
+            token_rewards[torch.arange(N), batch["reply_len"] - 1] = kept_scores.view(-1).to(device)
+            advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, mask)
+
+        # ---- PPO update --------------------------------------------------------------------------------------------
+        policy.train()
+        stats: dict[str, list] = {}
+        for _ in range(args.ppo_epochs):
+            for mini in micro_batches(N, args.mini_batch_size, shuffle_gen):
+                opt.zero_grad(set_to_none=True)
+                if critic_opt:
+                    critic_opt.zero_grad(set_to_none=True)
+                mini_mask = mask[mini]
+                for idx in micro_batches(len(mini), args.micro_batch_size):
+                    mb = micro_view(batch, mini[idx])
+                    m, r1 = mb["reply_mask"], mb["r1"]
+                    w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # so that micro-batches add up to the mini-batch loss
+                    with autocast:
+                        logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, r) each
+                    pg, pg_stats = policy_loss(logp, old_logp[mb["idx"], :r1], advantages[mb["idx"], :r1], m,
+                                               args.clip_low, args.clip_high, args.dual_clip or None, args.loss_agg)
+                    ent = agg_loss(entropy, m, args.loss_agg)
+                    loss = pg - args.entropy_coef * ent
+                    if ref is not None:
+                        kl = agg_loss(kl_penalty(logp, ref_logp[mb["idx"], :r1], args.kl_kind), m, args.loss_agg)
+                        loss = loss + args.kl_coef * kl
+                        pg_stats["kl_loss"] = kl.item()
+                    (loss * w).backward()
+                    pg_stats["entropy"] = ent.item()
+                    if critic is not None:
+                        with autocast:
+                            values = critic(mb)  # (b, r)
+                        vf, vf_stats = value_loss(values, old_values[mb["idx"], :r1], returns[mb["idx"], :r1], m,
+                                                  args.value_clip, args.loss_agg)
+                        (vf * w).backward()
+                        pg_stats.update(vf_stats)
+                    for k, v in pg_stats.items():
+                        stats.setdefault(k, []).append(v)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
+                stats.setdefault("grad_norm", []).append(grad_norm)
+                if math.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip that step
+                    opt.step()
+                if critic_opt:
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                    critic_opt.step()
+        if llm is not None:
+            vllm_push_weights(llm, policy)
+        t_update = time.time() - t1
+
+        # ---- log -------------------------------------------------------------------------------------------------
+        record = {
+            "step": step,
+            "train/success": statistics.mean(t.sample.info["success"] for t in trajs),
+            "train/reward": statistics.mean(t.score for t in trajs),
+            "train/action_is_valid": statistics.mean(t.sample.info["action_is_valid"] for t in trajs),
+            "rollout/in_group_std": group_std.mean().item(),
+            "rollout/chosen_in_group_std": group_std[kept].mean().item(),
+            "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
+            "rollout/kept_groups": len(kept),
+            "response_length/mean": statistics.mean(len(t.reply_ids) for t in trajs),
+            "think_length/mean": statistics.mean(len(t.sample.think or "") for t in trajs),
+            **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
+            **{("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()},
+            "timing_s/gen": t_gen,
+            "timing_s/update": t_update,
+        }
+        if critic is not None:
+            ret, val_old = returns[mask.bool()], old_values[mask.bool()]
+            record["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
+        history.append(record)
+        for w_msg in echo_trap_warnings(history, warned):
+            tqdm.write(f"[echo-trap warning, step {step}] {w_msg}")
+            record["warn/echo_trap"] = 1
+        if args.sample_every and step % args.sample_every == 0:
+            t = trajs[0]
+            tqdm.write(f"--- step {step} sample (seed {t.seed}): score {t.score:+.3f} " + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items()))
+            tqdm.write("    " + t.sample.text[:300].replace("\n", "\n    "))
+        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+            te = time.time()
+            record.update(evaluate(generate, tok, args))
+            record["timing_s/eval"] = time.time() - te
+        record["timing_s/step"] = time.time() - t0
+        record["time_s"] = time.time() - t_start
+        metrics_file.write(record)
+        bar.set_postfix({"succ": f"{record['train/success']:.2f}", "val": f"{record.get('val/success', float('nan')):.2f}",
+                         "std": f"{record['rollout/in_group_std']:.3f}", "ent": f"{record.get('actor/entropy', 0):.2f}"})
+        if args.save_every and step % args.save_every == 0:
+            save_checkpoint(out_dir / f"checkpoint-{step}", policy, tok, critic)
+    save_checkpoint(out_dir / "checkpoint-final", policy, tok, critic)
+    metrics_file.close()
+    last = [h for h in history if "val/success" in h]
+    final = last[-1]["val/success"] if last else val["val/success"]
+    tqdm.write(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val/success {final:.3f}; outputs in {out_dir}")
+    return history
+
+
+def save_checkpoint(path: Path, policy, tok, critic) -> None:
+    policy.save_pretrained(path)
+    tok.save_pretrained(path)
+    if critic is not None:
+        torch.save(critic.state_dict(), path / "critic.pt")
+
+
+if __name__ == "__main__":
+    main()
