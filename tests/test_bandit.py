@@ -1,0 +1,288 @@
+"""starpo_bandit.py: environment, parsing, rubric, log-prob consistency, flags, smoke and learning runs."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+import starpo_bandit as sb
+from conftest import ROOT
+
+# ---- environment ------------------------------------------------------------------------------------------------
+
+
+def test_payout_statistics():
+    env = sb.BanditEnv()
+    high = []
+    for seed in range(20000):
+        env.reset(seed)
+        high.append(env.step("Dragon")[1])
+    assert set(high) == {0.0, 1.0}
+    assert statistics.mean(high) == pytest.approx(0.25, abs=0.015)  # 4 sigma at n = 20000
+    for seed in range(200):
+        env.reset(seed)
+        _, reward, done, info = env.step("Phoenix")
+        assert reward == 0.15 and done and not info["success"] and info["action_is_valid"]
+
+
+def test_code_payout_and_custom_arms():
+    env = sb.BanditEnv(low_name="Teacher", high_name="Engineer", low_reward=0.1)
+    obs = env.reset(3)
+    assert "Teacher" in obs and "Engineer" in obs and "Phoenix" not in obs
+    assert env.step("teacher")[1] == 0.1
+
+
+def test_name_order_is_random_per_seed_and_deterministic():
+    env = sb.BanditEnv()
+    firsts = []
+    for seed in range(4000):
+        obs = env.reset(seed)
+        firsts.append(obs.index("Dragon") < obs.index("Phoenix"))
+        assert env.reset(seed) == obs  # same seed, same prompt
+    assert statistics.mean(firsts) == pytest.approx(0.5, abs=0.04)
+
+
+def test_same_seed_same_payout_draw():
+    """A group shares its seed, hence its luck (documented in the module docstring)."""
+    env = sb.BanditEnv()
+    for seed in range(50):
+        env.reset(seed)
+        a = env.step("Dragon")[1]
+        env.reset(seed)
+        assert env.step("Dragon")[1] == a
+
+
+@pytest.mark.parametrize("action,valid,success", [
+    ("Dragon", True, True), ("  dRaGoN \n", True, True), ("Phoenix", True, False), ("PHOENIX", True, False),
+    ("", False, False), ("Dragon Phoenix", False, False), ("Drag", False, False), ("<answer>Dragon</answer>", False, False),
+])
+def test_step_validity(action, valid, success):
+    env = sb.BanditEnv()
+    env.reset(0)
+    _, reward, done, info = env.step(action)
+    assert info["action_is_valid"] is valid and info["success"] is success and done
+    if not valid:
+        assert reward == 0.0
+
+
+# ---- parsing ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,think,answer", [
+    ("<think> hm </think> <answer> Dragon </answer>", "hm", "Dragon"),
+    ("<think>line one\nline two</think>\n<answer>\nPhoenix\n</answer>", "line one\nline two", "Phoenix"),
+    ("<answer>Dragon</answer>", None, "Dragon"),  # missing think: the answer still counts, the format does not
+    ("<think>x</think>", "x", None),  # missing answer
+    ("<think>x</think><answer>Dragon", "x", None),  # unclosed
+    ("<think>x</think><answer>Dragon</answer><answer>Phoenix</answer>", "x", None),  # repeated
+    ("<answer><answer>Dragon</answer></answer>", None, None),  # nested
+    ("</answer>Dragon<answer>", None, None),  # reversed
+    ("<ANSWER>Dragon</ANSWER>", None, None),  # tags are case-sensitive
+    ("<think><think>a</think></think><answer>Dragon</answer>", None, "Dragon"),
+    ("", None, None),
+])
+def test_parse_reply(text, think, answer):
+    assert sb.parse_reply(text) == (think, answer)
+
+
+def test_parse_reply_huge_and_binary_looking_text():
+    junk = "".join(chr(c) for c in range(0, 0x2FF)) + "\ufffd\x00" * 1000
+    huge = "<think>" + "a" * 2_000_000 + "</think><answer>Dragon</answer>"
+    assert sb.parse_reply(junk) == (None, None)
+    assert sb.parse_reply(huge)[1] == "Dragon"
+    assert sb.format_reward(sb.Sample(huge, "a", "Dragon", 0.0, {"action_is_valid": True})) == 1.0
+    assert sb.parse_reply("<answer>" + junk + "</answer>")[1] is not None
+
+
+# ---- rubric -----------------------------------------------------------------------------------------------------
+
+
+def run_rubric(text: str, seed: int = 0):
+    env = sb.BanditEnv()
+    env.reset(seed)
+    think, answer = sb.parse_reply(text)
+    _, reward, _, info = env.step(answer if answer is not None else "")
+    return sb.score(sb.Sample(text, think, answer, reward, info))
+
+
+def weights():
+    return {fn.__name__: w for fn, w in sb.RUBRIC}
+
+
+@pytest.mark.parametrize("text,fmt,invalid", [
+    ("<think>risky pays more on average</think> <answer>Dragon</answer>", 1.0, 0.0),
+    ("<think>\nsafe\n</think>\n<answer>Phoenix</answer>\n", 1.0, 0.0),  # multi-line thinking must match
+    ("<answer>Dragon</answer>", 0.0, 0.0),  # valid answer, no thinking
+    ("I pick Dragon", 0.0, -1.0),
+    ("<think>x</think><answer>Unicorn</answer>", 1.0, -1.0),  # well formed but not an arm
+    ("<think>x</think><answer>Dragon</answer> trailing words", 0.0, 0.0),
+    ("<think>a<answer>Dragon</answer></think>", 0.0, 0.0),  # answer inside think: a valid arm, bad format
+])
+def test_rubric_components(text, fmt, invalid):
+    total, parts = run_rubric(text)
+    assert parts["format_reward"] == fmt
+    assert parts["invalid_answer_penalty"] == invalid
+    assert total == pytest.approx(sum(weights()[k] * v for k, v in parts.items()))
+
+
+def test_rubric_env_reward_is_the_payout():
+    for seed in range(100):
+        env = sb.BanditEnv()
+        env.reset(seed)
+        payout = env.step("Dragon")[1]
+        total, parts = run_rubric("<think>t</think><answer>Dragon</answer>", seed)
+        assert parts["env_reward"] == payout
+        assert total == pytest.approx(payout + weights()["format_reward"])
+
+
+def test_weight_zero_logs_but_does_not_count(monkeypatch):
+    monkeypatch.setattr(sb, "RUBRIC", [(sb.env_reward, 1.0), (sb.format_reward, 0.0), (sb.invalid_answer_penalty, 0.1)])
+    total, parts = run_rubric("<think>t</think><answer>Phoenix</answer>")
+    assert parts["format_reward"] == 1.0 and total == pytest.approx(0.15)
+
+
+# ---- log-prob consistency: generation vs the update pass ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = common.build_tiny_model("bandit", sb.tiny_warmup_examples([("Phoenix", "Dragon")]))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_tiny_model_is_a_loadable_qwen2_with_chat_format(tiny):
+    model, tok = tiny
+    assert model.config.model_type == "qwen2" and 1e6 < model.num_parameters() < 1e7
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    weird = "<answer>\x00\ufffd 龍 🐉</answer>"
+    assert tok.decode(tok(weird, add_special_tokens=False)["input_ids"]) == weird  # byte-level: lossless
+
+
+def test_generation_logprobs_match_update_pass(tiny):
+    """hf backend, float32: the update pass re-scores the sampled tokens exactly as the sampler saw them,
+    including left padding (prompts of different lengths in one batch) and the temperature."""
+    model, tok = tiny
+    torch.manual_seed(0)
+    env = sb.BanditEnv()
+    full = [tok(tok.apply_chat_template(sb.make_messages(env.reset(s)), add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False)["input_ids"] for s in range(4)]
+    prompts = [full[0], full[1][9:], full[2][3:], full[3], full[0]]  # ragged lengths force left padding
+    replies = sb.hf_generate(model, tok, prompts, 0.7, 1.0, 24, 64)
+    trajs = [sb.Trajectory(0, p, r, lp, None, 0.0, {}) for p, (r, lp) in zip(prompts, replies)]
+    batch = sb.collate(trajs, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp, _ = sb.policy_forward(model, sb.micro_view(batch, torch.arange(len(trajs))), 0.7)
+    mask = batch["reply_mask"].bool()
+    gen_lp = torch.zeros_like(logp)
+    for i, t in enumerate(trajs):
+        gen_lp[i, : len(t.gen_logprobs)] = torch.tensor(t.gen_logprobs)
+    assert mask.sum() > 20 and len({len(p) for p in prompts}) >= 3
+    torch.testing.assert_close(logp[mask], gen_lp[mask], atol=1e-4, rtol=0)
+    # and the temperature matters: scoring at 1.0 would not match
+    with torch.no_grad():
+        logp_t1, _ = sb.policy_forward(model, sb.micro_view(batch, torch.arange(len(trajs))), 1.0)
+    assert (logp_t1[mask] - gen_lp[mask]).abs().max() > 1e-2
+
+
+def test_micro_view_trims_to_the_rows_it_holds(tiny):
+    _, tok = tiny
+    mk = lambda p, r: sb.Trajectory(0, p, r, [0.0] * len(r), None, 0.0, {})  # noqa: E731
+    batch = sb.collate([mk([1, 2, 3, 4], [5]), mk([6], [7, 8, 9])], tok.pad_token_id, "cpu")
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, tok.pad_token_id, tok.pad_token_id],
+                                           [tok.pad_token_id] * 3 + [6, 7, 8, 9]]
+    assert batch["position_ids"][1, 3:].tolist() == [0, 1, 2, 3]
+    view = sb.micro_view(batch, torch.tensor([1]))
+    assert view["input_ids"].tolist() == [[6, 7, 8, 9]] and view["reply_mask"].tolist() == [[1, 1, 1]]
+
+
+# ---- flags: bad input fails in one line, before any model loads --------------------------------------------------
+
+
+def run_script(*flags, timeout=900, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, str(ROOT / "starpo_bandit.py"), *flags], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--estimator", "grpo", "--group-size", "1"], "--group-size"),
+    (["--keep-ratio", "0"], "--keep-ratio"),
+    (["--keep-ratio", "1.5"], "--keep-ratio"),
+    (["--backend", "tensorrt"], "--backend"),
+    (["--backend", "vllm"], "--backend"),
+    (["--model", "no-such-org/no-such-model"], "--model"),
+    (["--lr", "-1"], "--lr"),
+    (["--dual-clip", "0.5"], "--dual-clip"),
+    (["--steps", "ten"], "--steps"),
+    (["--high-arm-name", "phoenix"], "--high-arm-name"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_flags_fail_fast_with_one_line(flags, needle, tmp_path):
+    out = tmp_path / "run"
+    r = run_script(*flags, "--output-dir", str(out), timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error:"), r.stderr
+    assert not out.exists()  # failed before doing anything
+    if needle == "--model":
+        assert "--model tiny" in lines[0]
+
+
+def test_help_lists_kebab_case_flags_with_docs():
+    r = run_script("--help", timeout=120)
+    assert r.returncode == 0
+    assert "--group-size" in r.stdout and "--keep-ratio" in r.stdout and "rollouts per group" in r.stdout
+
+
+# ---- whole-script runs -------------------------------------------------------------------------------------------
+
+EXPECTED_KEYS = {
+    "train/success", "train/reward", "rollout/in_group_std", "rollout/chosen_in_group_std", "rollout/zero_std_frac",
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
+    "actor/grad_norm", "response_length/mean", "think_length/mean", "rubric/env_reward", "rubric/format_reward",
+    "rubric/invalid_answer_penalty", "timing_s/gen", "timing_s/update", "timing_s/step",
+}
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in open(path / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("algo,estimator", [("starpo-s", "gae"), ("starpo", "grpo")])
+def test_smoke_two_steps(algo, estimator, tmp_path):
+    r = run_script("--steps", "2", "--eval-every", "1", "--val-size", "8", "--n-groups", "2", "--group-size", "4",
+                   "--algo", algo, "--estimator", estimator, "--sample-every", "1", "--output-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert EXPECTED_KEYS <= set(rows[1]), EXPECTED_KEYS - set(rows[1])
+    assert {"val/success", "val/reward"} <= set(rows[0]) and {"val/success", "val/reward"} <= set(rows[2])
+    if estimator == "gae":
+        assert "critic/vf_loss" in rows[1] and (tmp_path / "checkpoint-final" / "critic.pt").exists()
+    else:
+        assert "actor/kl_loss" in rows[1]  # starpo keeps the KL term
+    assert rows[1]["rollout/kept_groups"] == (1 if algo == "starpo-s" else 2)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["algo"] == algo and config["model_path"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-final")
+    assert "sample (seed" in r.stdout + r.stderr  # the rollout printout with its rubric breakdown
+
+
+@pytest.mark.slow
+def test_learns_the_bandit(tmp_path):
+    """The README command, unchanged: StarPO-S with the tiny model must reach >= 0.9 eval high-arm rate."""
+    r = run_script("--output-dir", str(tmp_path), "--sample-every", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert rows[0]["val/success"] < 0.75  # it starts indifferent: the warm-up did not teach the task
+    assert rows[-1]["val/success"] >= 0.9, [row.get("val/success") for row in rows]
