@@ -97,6 +97,8 @@ def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: 
         return (micro_mask.sum() / mini_mask.sum().clamp(min=1)).item()
     if mode == "seq-mean-token-sum-norm":
         return 1.0
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGG_MODES}")
     rows = lambda m: (m.sum(-1) > 0).sum().clamp(min=1)  # noqa: E731
     return (rows(micro_mask) / rows(mini_mask)).item()
 
@@ -108,14 +110,12 @@ def group_advantages(scores: torch.Tensor, norm_std: bool = True, eps: float = 1
     A group whose scores are all equal gets zeros (no signal), never NaN.
     This is the one place where GRPO normalises: skip it and "GRPO" quietly becomes REINFORCE on raw reward.
     """
-    scores = scores.float()
+    scores = scores.double()  # float64: a float32 mean of 16 x 0.15 is off by 1e-8, which eps would not absorb
     centred = scores - scores.mean(dim=1, keepdim=True)  # (G, n)
-    if not norm_std:
-        return centred
-    if scores.shape[1] < 2:
-        return torch.zeros_like(scores)
-    std = scores.std(dim=1, keepdim=True, unbiased=True)  # (G, 1)
-    return centred / (std + eps)
+    all_equal = scores.amax(dim=1, keepdim=True) == scores.amin(dim=1, keepdim=True)  # (G, 1)
+    if norm_std and scores.shape[1] >= 2:
+        centred = centred / (scores.std(dim=1, keepdim=True, unbiased=True) + eps)
+    return torch.where(all_equal, 0.0, centred).float()  # (G, n); equal scores carry no signal, exactly 0
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0):
@@ -167,7 +167,8 @@ def filter_groups(scores: torch.Tensor, keep_ratio: float, mode: str = "std") ->
     if mode not in ("std", "std_rev"):
         raise ValueError(f"unknown filter mode {mode!r}; choose 'std' or 'std_rev'")
     G, n = scores.shape
-    std = scores.float().std(dim=1, unbiased=True).tolist() if n > 1 else [0.0] * G
+    std = scores.double().std(dim=1, unbiased=True).tolist() if n > 1 else [0.0] * G
+    std = [round(x, 9) for x in std]  # equal groups in another order can differ in the last bit: keep them tied
     k = max(1, int(G * keep_ratio + 1e-9))  # the epsilon keeps 0.29 * 100 from flooring to 28
     sign = -1.0 if mode == "std" else 1.0
     ranked = sorted(range(G), key=lambda g: (sign * std[g], g))

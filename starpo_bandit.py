@@ -654,7 +654,7 @@ def main(argv=None):
     history, warned = [], set()
     t_start = time.time()
     val = evaluate(generate, tok, args)
-    metrics_file.write({"step": 0, **val, "time_s": 0.0})
+    metrics_file.write({"step": 0, **val, "time_s": time.time() - t_start, "timestamp": time.time()})
     tqdm.write(f"step 0  val/success {val['val/success']:.3f}  val/reward {val['val/reward']:.3f}")
     bar = tqdm(range(1, args.steps + 1), desc="starpo-bandit", dynamic_ncols=True)
     for step in bar:
@@ -664,7 +664,7 @@ def main(argv=None):
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
         trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature)
         t_gen = time.time() - t0
-        scores = torch.tensor([t.score for t in trajs]).view(G, n)  # (G, n)
+        scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
 
         # ---- uncertainty filter: train only on the groups whose rewards disagree most -------------------------------
         group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
@@ -778,7 +778,7 @@ def main(argv=None):
             record.update(evaluate(generate, tok, args))
             record["timing_s/eval"] = time.time() - te
         record["timing_s/step"] = time.time() - t0
-        record["time_s"] = time.time() - t_start
+        record["time_s"], record["timestamp"] = time.time() - t_start, time.time()
         metrics_file.write(record)
         bar.set_postfix({"succ": f"{record['train/success']:.2f}", "val": f"{record.get('val/success', float('nan')):.2f}",
                          "std": f"{record['rollout/in_group_std']:.3f}", "ent": f"{record.get('actor/entropy', 0):.2f}"})
