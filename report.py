@@ -1,0 +1,586 @@
+"""The run report: one self-contained HTML page per run directory (PLUMBING: learners never need to edit this).
+
+    python report.py runs/bandit-starpo-s-gae-s0      # (re)builds runs/bandit-starpo-s-gae-s0/report.html
+
+The scripts call `build_report(output_dir)` at every evaluation and at the end; the page is rewritten atomically,
+so a browser refresh during training never sees half a file. It reads config.json, metrics.jsonl and rollouts.jsonl
+(any of them may be missing or still being written) and shows:
+
+* a header: task, algorithm, model, key settings, steps run, wall time, best and last val/success;
+* curves drawn here as inline SVG: success (with the random / optimal baselines, dashed, where the script logs
+  them), reward, in-group reward std before and after the filter, entropy, gradient norm, response and think
+  length, clip fractions and every rubric component; red dashed verticals mark steps where an echo-trap warning
+  fired. Hover a point for its value;
+* a rollout viewer (a little vanilla JavaScript): pick a split, a step and a trajectory; each turn shows the grid as
+  coloured cells (the bandit: its two arms, the chosen one highlighted), the reply with <think> and <answer>
+  highlighted, the actions, the reward and the rubric breakdown.
+
+Standard library only. No network: no external files, and a Content-Security-Policy that allows only this page's
+own script. Model text never reaches the page as markup: it is html-escaped, or embedded as JSON with every `<`
+written as \\u003c (so "</script>" in a reply cannot end the data block) and drawn with textContent.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+MAX_ROLLOUTS_PER_SPLIT = 200  # embedded in the page; more would make it slow to open
+MAX_ROLLOUTS_PER_STEP = 24
+MAX_TEXT = 4000  # characters kept of each state / reply
+
+########################################################################################################################
+# READING A RUN
+########################################################################################################################
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """One dict per line; a missing file is empty and a broken line (a run still writing) is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)  # accepts NaN / Infinity, as json.dumps writes them
+        except ValueError:
+            continue
+        if isinstance(row, dict) and number(row.get("step")) is not None:
+            out.append(row)
+    return out
+
+
+def latest_per_step(rows: list[dict], key) -> list[dict]:
+    """Rows sorted by step, each step's lines taken from its latest block in the file.
+
+    A fresh run starts with empty files and --resume truncates them to the checkpoint, so a step normally appears
+    once; should one appear twice anyway (say, a resume after a crash that skipped the truncation), the later
+    block of lines for it wins. key(row) names a block: the step (metrics) or (split, step) (rollouts)."""
+    blocks: dict = {}
+    prev = object()
+    for row in rows:
+        k = key(row)
+        if k != prev:
+            blocks[k] = []  # a new block for this key replaces an earlier one
+        blocks[k].append(row)
+        prev = k
+    return sorted((row for block in blocks.values() for row in block), key=lambda row: row["step"])  # stable
+
+
+def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict]]:
+    try:
+        config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    metrics = latest_per_step(read_jsonl(run_dir / "metrics.jsonl"), lambda r: r["step"])
+    rollouts = latest_per_step(read_jsonl(run_dir / "rollouts.jsonl"), lambda r: (str(r.get("split")), r["step"]))
+    return (config if isinstance(config, dict) else {}), metrics, rollouts
+
+
+def infer_task(config: dict, rollouts: list[dict], run_dir: Path) -> str:
+    if config.get("task"):
+        return str(config["task"])
+    if rollouts and rollouts[0].get("task"):
+        return str(rollouts[0]["task"])
+    name = run_dir.resolve().name  # e.g. bandit-starpo-s-gae-s0
+    return next((t for t in ("bandit", "frozenlake", "sokoban") if name.startswith(t)), name)
+
+
+def number(v) -> float | None:
+    """A plottable float, or None (missing, NaN, inf, not a number)."""
+    if isinstance(v, (bool, int, float)) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def series(metrics: list[dict], key: str) -> list[tuple[float, float | None]]:
+    """(step, value) for every line that has the key; None (a NaN) breaks the line."""
+    return [(r["step"], number(r[key])) for r in metrics if key in r]
+
+
+########################################################################################################################
+# SVG LINE CHARTS — drawn here, so the page needs no charting library
+########################################################################################################################
+
+COLOURS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#db2777"]  # train is always the first (blue)
+BASELINE_COLOURS = {"random": "#6b7280", "optimal": "#059669"}
+WARN_COLOUR = "#dc2626"
+W, H, LEFT, RIGHT, TOP, BOTTOM = 420, 230, 60, 14, 30, 36  # chart size and margins, px
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """About n round tick values (1, 2, 2.5, 5 x 10^k apart) covering [lo, hi]."""
+    raw = (hi - lo) / max(n - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw - 1e-12)
+    first = math.floor(lo / step + 1e-9) * step
+    count = int(math.ceil((hi - first) / step - 1e-9)) + 1
+    return [round(first + i * step, 12) for i in range(count)]
+
+
+def fmt(v: float) -> str:
+    return "0" if v == 0 else f"{v:.3g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.2g}"
+
+
+def esc(s) -> str:
+    """Text or attribute value for the page; U+2028/9 as entities too, so no raw line separator is left anywhere."""
+    return html.escape(str(s), quote=True).replace("\u2028", "&#x2028;").replace("\u2029", "&#x2029;")
+
+
+def line_chart(title: str, lines: list, x_range: tuple, baselines=(), warnings=(), y_fixed=None, ylabel="") -> str:
+    """One chart as a <figure>. lines: (label, [(step, value or None)], colour); baselines: (label, value, colour),
+    drawn as dashed horizontals; warnings: steps marked with red dashed verticals."""
+    values = [y for _, pts, _ in lines for _, y in pts if y is not None] + [v for _, v, _ in baselines]
+    slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+    head = f'<figure class="chart" data-chart="{esc(slug)}"><figcaption>{esc(title)}</figcaption>'
+    if not values:
+        return head + '<div class="empty">no data yet</div></figure>'
+    lo, hi = y_fixed or (min(0.0, *values), max(0.0, *values))
+    if hi - lo < 1e-12:  # all zero (zero is always in range): show 0..1
+        hi = lo + 1
+    yt = nice_ticks(lo, hi)
+    lo, hi = min(lo, yt[0]), max(hi, yt[-1])
+    x0, x1 = x_range
+    xt = [t for t in nice_ticks(x0, x1, 6) if x0 <= t <= x1 and t == int(t)] or [x0]
+    px = lambda x: LEFT + (x - x0) / (x1 - x0) * (W - LEFT - RIGHT)  # noqa: E731 (data -> pixels)
+    py = lambda y: H - BOTTOM - (y - lo) / (hi - lo) * (H - TOP - BOTTOM)  # noqa: E731
+    out = [head, f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{esc(title)}">']
+    for t in yt:  # horizontal grid lines with y tick labels
+        out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>'
+                   f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" class="tick" text-anchor="end">{fmt(t)}</text>')
+    for t in xt:
+        out.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{H - BOTTOM}" y2="{H - BOTTOM + 4}" class="axis"/>'
+                   f'<text x="{px(t):.1f}" y="{H - BOTTOM + 16}" class="tick" text-anchor="middle">{int(t)}</text>')
+    out.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP - 6}" y2="{H - BOTTOM}" class="axis"/>'
+               f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{H - BOTTOM}" y2="{H - BOTTOM}" class="axis"/>'
+               f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 4}" class="label" text-anchor="middle">step</text>'
+               f'<text transform="translate(11 {(TOP + H - BOTTOM) / 2}) rotate(-90)" class="label" '
+               f'text-anchor="middle">{esc(ylabel)}</text>')
+    for step in warnings:
+        out.append(f'<g class="echo-trap"><title>echo-trap warning at step {int(step)}</title>'
+                   f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="{WARN_COLOUR}" '
+                   f'stroke-dasharray="3 3" stroke-width="1.5"/><path d="M{px(step) - 5:.1f},{TOP - 8} h10 l-5,8 z" '
+                   f'fill="{WARN_COLOUR}"/></g>')
+    for label, v, colour in baselines:
+        out.append(f'<line class="baseline" x1="{LEFT}" x2="{W - RIGHT}" y1="{py(v):.1f}" y2="{py(v):.1f}" '
+                   f'stroke="{colour}" stroke-width="1.5" stroke-dasharray="6 4">'
+                   f'<title>{esc(label)} {fmt(v)}</title></line>')
+    for label, pts, colour in lines:
+        segment: list[str] = []
+        for x, y in pts + [(None, None)]:  # a None value (NaN) ends the current segment
+            if y is not None:
+                segment.append(f"{px(x):.1f},{py(y):.1f}")
+            elif segment:
+                out.append(f'<polyline points="{" ".join(segment)}" fill="none" stroke="{colour}" stroke-width="2" '
+                           f'stroke-linejoin="round"/>')
+                segment = []
+        if len(pts) <= 60:  # dots (with a hover title) while they do not clutter the line
+            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.8" fill="{colour}">'
+                    f'<title>{esc(label)} step {int(x)}: {y:.4g}</title></circle>' for x, y in pts if y is not None]
+    legend = [(label, colour, "") for label, _, colour in lines] + [(label, c, "6 4") for label, _, c in baselines]
+    legend += [("echo trap", WARN_COLOUR, "3 3")] if warnings else []
+    x = LEFT + 6
+    for label, colour, dash in legend:  # one row of "—— label" along the top
+        out.append(f'<line x1="{x}" x2="{x + 16}" y1="{TOP - 16}" y2="{TOP - 16}" stroke="{colour}" stroke-width="2.5" '
+                   f'stroke-dasharray="{dash}"/><text x="{x + 20}" y="{TOP - 12}" class="legend">{esc(label)}</text>')
+        x += 30 + 6.2 * len(label)
+    return "\n".join(out) + "</svg></figure>"
+
+
+def charts(metrics: list[dict]) -> list[str]:
+    """The fixed set of curves, then one chart per rubric component (every chart is present, maybe empty)."""
+    steps = [r["step"] for r in metrics]
+    x_range = (min(steps), max(steps)) if steps else (0, 1)
+    if x_range[1] - x_range[0] < 1:
+        x_range = (x_range[0], x_range[0] + 1)
+    warnings = [r["step"] for r in metrics if number(r.get("warn/echo_trap")) == 1]
+
+    def chart(title, keys, ylabel, y_fixed=None, baselines=()):
+        lines = [(label, series(metrics, k), COLOURS[i]) for i, (k, label) in enumerate(keys) if series(metrics, k)]
+        base = []
+        for key, label in baselines:  # the evaluation maps are fixed, so a baseline is one value: the last logged
+            vals = [v for _, v in series(metrics, key) if v is not None]
+            if vals:
+                base.append((label, vals[-1], BASELINE_COLOURS[label]))
+        return line_chart(title, lines, x_range, base, warnings, y_fixed, ylabel)
+
+    out = [
+        chart("Success", [("train/success", "train"), ("val/success", "val")], "success rate", (0.0, 1.0),
+              [("val/random_success", "random"), ("val/optimal_success", "optimal")]),
+        chart("Reward", [("train/reward", "train"), ("val/reward", "val")], "rubric total"),
+        chart("In-group reward std", [("rollout/in_group_std", "before filter"),
+                                      ("rollout/chosen_in_group_std", "after filter")], "std"),
+        chart("Entropy", [("actor/entropy", "policy entropy")], "nats / token"),
+        chart("Gradient norm", [("actor/grad_norm", "before clipping")], "L2 norm"),
+        chart("Response and think length", [("response_length/mean", "reply (tokens)"),
+                                            ("think_length/mean", "think (chars)")], "length"),
+        chart("Clip fractions", [("actor/pg_clipfrac", "clipped"), ("actor/pg_clipfrac_lower", "dual clip")],
+              "share of tokens"),
+    ]
+    rubric = sorted({k for r in metrics for k in r if k.startswith("rubric/")})
+    out += [chart(k, [(k, "train")], "mean (unweighted)") for k in rubric]
+    return out
+
+
+########################################################################################################################
+# GRIDS AND ARMS — parsed here from the state text, drawn by the page's script
+########################################################################################################################
+
+# symbol -> (cell fill, what is drawn on it). One source for the page and for the tests' pixel checks.
+GRID_STYLE = {
+    "frozenlake": {"_": ["#bfdbfe", ""], "O": ["#1e3a8a", ""], "G": ["#22c55e", ""], "P": ["#bfdbfe", "player"],
+                   "X": ["#1e3a8a", "fallen"], "√": ["#22c55e", "player"]},
+    "sokoban": {"#": ["#57534e", ""], "_": ["#f5f5f4", ""], "O": ["#f5f5f4", "target"], "X": ["#f5f5f4", "box"],
+                "√": ["#f5f5f4", "box-on-target"], "P": ["#f5f5f4", "player"], "S": ["#f5f5f4", "player-on-target"]},
+}
+GRID_LEGEND = {
+    "frozenlake": {"_": "frozen", "O": "hole", "G": "goal", "P": "player", "X": "player in a hole",
+                   "√": "player on goal"},
+    "sokoban": {"#": "wall", "_": "floor", "O": "target", "X": "box", "√": "box on target", "P": "player",
+                "S": "player on target"},
+}
+# what stands on a cell (see GRID_STYLE) -> its colour
+THING_COLOURS = {"player": "#2563eb", "fallen": "#dc2626", "box": "#b45309", "box-on-target": "#16a34a",
+                 "target": "#dc2626"}
+ARM_CHOSEN_COLOUR = "#fcd34d"
+
+
+def find_grid(state: str, task: str) -> dict | None:
+    """The longest block of consecutive lines made only of the task's symbols (space-separated or not)."""
+    symbols = set(GRID_STYLE.get(task, {})) or set(GRID_STYLE["frozenlake"]) | set(GRID_STYLE["sokoban"])
+    best: list[list[str]] = []
+    block: list[list[str]] = []
+    for line in state.splitlines() + [""]:
+        line = line.strip()
+        cells = line.split() if " " in line else list(line)
+        if cells and all(c in symbols for c in cells):
+            block.append(cells)
+            continue
+        if block and len(block) >= len(best):  # ties: the later block (the current state comes last)
+            best = block
+        block = []
+    if sum(len(row) for row in best) < 2:  # a lone "O" in prose is not a grid
+        return None
+    kind = task if task in GRID_STYLE else ("sokoban" if any(c in "#S" for row in best for c in row) else "frozenlake")
+    return {"kind": kind, "rows": best}
+
+
+def find_arms(state: str) -> list[str] | None:
+    m = re.search(r"named (.+?) and (.+?)\.(?:\s|$)", state)
+    return [m.group(1).strip(), m.group(2).strip()] if m else None
+
+
+def clip_text(s, n: int = MAX_TEXT):
+    s = "" if s is None else str(s)
+    return s if len(s) <= n else s[:n] + f" … [{len(s) - n} more characters]"
+
+
+def viewer_rollouts(rollouts: list[dict], task: str) -> tuple[list[dict], int]:
+    """A capped, compact copy for the page: per split, up to MAX_ROLLOUTS_PER_STEP per step, on evenly spaced steps
+    (first and last included) so that at most MAX_ROLLOUTS_PER_SPLIT are kept. Returns (kept, total)."""
+    by_split: dict[str, dict[int, list[dict]]] = {}
+    for r in rollouts:
+        by_split.setdefault(str(r.get("split", "train")), {}).setdefault(r["step"], []).append(r)
+    kept, k = [], max(2, MAX_ROLLOUTS_PER_SPLIT // MAX_ROLLOUTS_PER_STEP)  # k: how many steps fit
+    for split, by_step in by_split.items():
+        steps = sorted(by_step)
+        if len(steps) > k:
+            steps = sorted({steps[round(i * (len(steps) - 1) / (k - 1))] for i in range(k)})
+        for step in steps:
+            for r in by_step[step][:MAX_ROLLOUTS_PER_STEP]:
+                turns = []
+                for t in r.get("turns") or []:
+                    t = t if isinstance(t, dict) else {}
+                    state, answer = clip_text(t.get("state")), t.get("answer")
+                    turns.append(dict(state=state, text=clip_text(t.get("text")),
+                                      answer=None if answer is None else clip_text(answer),
+                                      actions=[str(a) for a in t.get("actions") or []], reward=number(t.get("reward")),
+                                      rubric={str(k): number(v) for k, v in (t.get("rubric") or {}).items()},
+                                      grid=None if task == "bandit" else find_grid(state, task),
+                                      arms=find_arms(state) if task == "bandit" else None))
+                seed = r.get("seed")
+                kept.append(dict(step=r["step"], split=split, seed=seed if isinstance(seed, (int, str)) else str(seed),
+                                 success=bool(r.get("success")), reward=number(r.get("reward")), turns=turns))
+    return kept, len(rollouts)
+
+
+def json_for_script(obj) -> str:
+    """JSON safe inside <script type="application/json">: no '<' at all (so no </script> or <!--), no raw U+2028/9."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026") \
+               .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+########################################################################################################################
+# THE PAGE
+########################################################################################################################
+
+KEY_SETTINGS = ["algo", "estimator", "n_groups", "group_size", "keep_ratio", "lr", "critic_lr", "kl_coef", "clip_low",
+                "clip_high", "dual_clip", "entropy_coef", "loss_agg", "temperature", "max_tokens", "max_turns",
+                "max_actions_per_traj", "val_size", "eval_every", "seed", "backend", "device"]
+
+
+def header(config: dict, metrics: list[dict], task: str, run_dir: Path) -> str:
+    model = config.get("model") or "?"
+    if model == "auto" or model == "tiny":
+        model = f"{model}: {Path(str(config.get('model_path', ''))).name or '?'}"
+    steps_run = max((r["step"] for r in metrics), default=0)
+    wall = max((number(r.get("time_s")) or 0.0 for r in metrics), default=0.0)
+    val = [(r["step"], v) for r in metrics if (v := number(r.get("val/success"))) is not None]
+    best = max(val, key=lambda sv: sv[1]) if val else None
+    warn = [r["step"] for r in metrics if number(r.get("warn/echo_trap")) == 1]
+    planned = config.get("steps")
+    facts = [("task", task), ("algorithm", f"{config.get('algo', '?')} / {config.get('estimator', '?')}"),
+             ("model", model),
+             ("steps run", f"{steps_run}" + (f" of {planned}" if planned else "")),
+             ("wall time", f"{int(wall // 3600)}:{int(wall % 3600 // 60):02d}:{int(wall % 60):02d}"),
+             ("best val/success", f"{best[1]:.3f} (step {best[0]})" if best else "—"),
+             ("last val/success", f"{val[-1][1]:.3f} (step {val[-1][0]})" if val else "—")]
+    for key in ("val/random_success", "val/optimal_success"):
+        vals = [v for _, v in series(metrics, key) if v is not None]
+        if vals:
+            facts.append((key.split("/")[1].replace("_", " "), f"{vals[-1]:.3f}"))
+    facts.append(("echo-trap warnings", ", ".join(f"step {s}" for s in warn) if warn else "none"))
+    cards = "".join(f'<div class="fact"><span>{esc(k)}</span><b>{esc(v)}</b></div>' for k, v in facts)
+    settings = " · ".join(f"{esc(k)} <b>{esc(config[k])}</b>" for k in KEY_SETTINGS if k in config)
+    full = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in config.items())
+    return (f'<header><h1>{esc(task)} · {esc(config.get("algo", "run"))} <small>{esc(run_dir.resolve())}</small></h1>'
+            f'<div class="facts">{cards}</div><p class="settings">{settings or "no config.json"}</p>'
+            f'<details><summary>full config</summary><table>{full}</table></details></header>')
+
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:0;background:#f8fafc;color:#1f2937}
+main{max-width:1340px;margin:0 auto;padding:16px 20px 60px}
+h1{font-size:20px;margin:4px 0 12px}h1 small{font-size:12px;color:#6b7280;font-weight:400;margin-left:8px}
+h2{font-size:16px;margin:28px 0 10px}
+.facts{display:flex;flex-wrap:wrap;gap:8px}
+.fact{background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:6px 12px}
+.fact span{display:block;font-size:11px;color:#6b7280;text-transform:uppercase;letter-spacing:.03em}
+.settings{color:#374151;font-size:13px}details table{font-size:12px;border-collapse:collapse}
+details td{padding:1px 10px 1px 0;vertical-align:top}
+.charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(430px,1fr));gap:12px}
+.chart{margin:0;background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:8px}
+figcaption{font-weight:600;font-size:13px;margin-bottom:2px}.empty{color:#9ca3af;padding:40px 0;text-align:center}
+svg .grid{stroke:#eef0f3}svg .axis{stroke:#9ca3af}svg .tick{font-size:10px;fill:#6b7280}
+svg .label{font-size:11px;fill:#4b5563}svg .legend{font-size:11px;fill:#374151}
+.controls{display:flex;flex-wrap:wrap;gap:12px;align-items:center;background:#fff;border:1px solid #e5e7eb;
+border-radius:8px;padding:8px 12px}select,button{font:inherit;padding:2px 6px}
+.turn{background:#fff;border:1px solid #e5e7eb;border-radius:8px;margin-top:10px;padding:10px 12px}
+.turn h3{font-size:14px;margin:0 0 8px}.turn-body{display:flex;gap:18px;align-items:flex-start}
+.board{flex:0 0 auto;min-width:160px}.talk{flex:1 1 auto;min-width:0}
+.reply{white-space:pre-wrap;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:13px;background:#f9fafb;
+border-radius:6px;padding:8px}.think{background:#ede9fe;color:#4c1d95}.answer{background:#fef08a;font-weight:600}
+.chip{display:inline-block;background:#e0e7ff;border-radius:10px;padding:0 8px;margin:2px}
+table.rubric td{padding:0 12px 0 0;font-size:13px}pre.state{white-space:pre-wrap;font-size:12px}
+.arm{border:2px solid #d1d5db;border-radius:10px;padding:14px 18px;margin:0 0 8px;background:#fff;text-align:center}
+.arm b{display:block;font-size:16px}.arm span{font-size:11px;color:#6b7280}
+.arm.chosen{background:""" + ARM_CHOSEN_COLOUR + """;border-color:#b45309}
+.ok{color:#15803d}.bad{color:#b91c1c}.muted{color:#6b7280}.legend-row{font-size:11px;color:#4b5563;margin-top:4px}
+.legend-row span{margin-right:10px;white-space:nowrap}.legend-row svg{vertical-align:-2px;outline:1px solid #d1d5db}
+"""
+
+# The viewer. Everything from the run goes in through textContent / setAttribute, never innerHTML.
+JS = r"""
+(function () {
+  "use strict";
+  const root = document.documentElement;
+  const fail = (msg) => { root.dataset.reportStatus = "error"; root.dataset.reportError = String(msg).slice(0, 300); };
+  window.addEventListener("error", (e) => fail(e.message));
+  document.addEventListener("securitypolicyviolation", (e) => fail("CSP blocked " + e.blockedURI));
+  const consoleError = console.error;
+  console.error = (...a) => { fail(a.join(" ")); consoleError.apply(console, a); };
+
+  const DATA = JSON.parse(document.getElementById("report-data").textContent);
+  const $ = (id) => document.getElementById(id);
+  const num = (v) => (v === null || v === undefined ? "—" : (+v).toFixed(3).replace(/\.?0+$/, "") || "0");
+  function el(tag, cls, ...kids) {  // kids are elements or strings; strings become text nodes, never markup
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    e.append(...kids);
+    return e;
+  }
+  function svg(tag, attrs) {
+    const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
+    for (const k in attrs) e.setAttribute(k, attrs[k]);
+    return e;
+  }
+  function fill(select, options) {  // options: [value, label] pairs
+    select.replaceChildren(...options.map(([value, label]) => Object.assign(el("option", "", label), { value })));
+  }
+
+  function drawCell(g, style, sym, x, y, S) {  // one square, plus what stands on it (sizes for S = 30, scaled by k)
+    const [colour, thing] = style[sym] || ["#ffffff", ""], m = S / 2, k = S / 30, C = DATA.thing_colours;
+    g.append(svg("rect", { x, y, width: S, height: S, fill: colour, stroke: "#ffffff", "stroke-width": 1 }));
+    if (thing.includes("target"))
+      g.append(svg("circle", { cx: x + m, cy: y + m, r: 9 * k, fill: "none", stroke: C.target,
+                               "stroke-width": 2.5 * k }));
+    if (thing.startsWith("box"))
+      g.append(svg("rect", { x: x + 5 * k, y: y + 5 * k, width: S - 10 * k, height: S - 10 * k, rx: 3 * k,
+                             fill: C[thing] }));
+    if (thing.startsWith("player") || thing === "fallen")
+      g.append(svg("circle", { cx: x + m, cy: y + m, r: 8 * k, fill: C[thing] || C.player }));
+  }
+
+  function drawGrid(grid) {  // the state as coloured cells, with a legend
+    const S = 30, style = DATA.grid_style[grid.kind], width = Math.max(...grid.rows.map((r) => r.length));
+    const g = svg("svg", { width: width * S, height: grid.rows.length * S, class: "grid-board" });
+    grid.rows.forEach((row, r) => row.forEach((sym, c) => drawCell(g, style, sym, c * S, r * S, S)));
+    const legend = el("div", "legend-row");
+    for (const [sym, name] of Object.entries(DATA.grid_legend[grid.kind])) {
+      const swatch = svg("svg", { width: 14, height: 14 });
+      drawCell(swatch, style, sym, 0, 0, 14);
+      legend.append(el("span", "", swatch, ` ${sym} ${name}`));
+    }
+    return el("div", "", g, legend);
+  }
+
+  function drawArms(arms, turn, split) {  // the bandit: two cards, the chosen one highlighted
+    const choice = (turn.actions[0] || turn.answer || "").trim().toLowerCase(), high = DATA.high_arm[split];
+    const box = el("div");
+    for (const name of arms) {
+      const risk = !high ? "arm" : name.toLowerCase() === high.toLowerCase() ? "high-risk arm" : "low-risk arm";
+      const chosen = name.toLowerCase() === choice ? " chosen" : "";
+      box.append(el("div", "arm" + chosen, el("b", "", name), el("span", "", risk)));
+    }
+    if (!arms.some((a) => a.toLowerCase() === choice)) box.append(el("div", "bad", "no valid arm chosen"));
+    return box;
+  }
+
+  function highlight(text) {  // the raw reply with its <think> and <answer> parts marked
+    const out = el("div", "reply");
+    for (const part of text.split(/(<think>[\s\S]*?<\/think>|<answer>[\s\S]*?<\/answer>)/)) {
+      const cls = part.startsWith("<think>") ? "think" : part.startsWith("<answer>") ? "answer" : "";
+      if (part) out.append(cls ? el("span", cls, part) : part);
+    }
+    return out;
+  }
+
+  function drawTurn(turn, i, split) {
+    const board = el("div", "board");
+    if (turn.grid) board.append(drawGrid(turn.grid));
+    else if (turn.arms) board.append(drawArms(turn.arms, turn, split));
+    else board.append(el("div", "muted", "no grid in this state"));
+    const answer = el("div", "", "answer: ",
+      turn.answer === null ? el("span", "bad", "none (not well formed)") : el("b", "", turn.answer));
+    const chips = turn.actions.length ? turn.actions.map((a) => el("span", "chip", a)) : [el("span", "bad", "none")];
+    const rubric = el("table", "rubric");
+    for (const [k, v] of Object.entries(turn.rubric))
+      rubric.append(el("tr", "", el("td", "", k), el("td", "", num(v))));
+    const state = el("details", "", el("summary", "", "state shown to the model"), el("pre", "state", turn.state));
+    const talk = el("div", "talk", highlight(turn.text), answer, el("div", "", "actions: ", ...chips), rubric, state);
+    return el("div", "turn", el("h3", "", `Turn ${i + 1} · env reward ${num(turn.reward)}`),
+              el("div", "turn-body", board, talk));
+  }
+
+  const rollouts = DATA.rollouts, view = $("trajectory");
+  function showTrajectory() {
+    const r = rollouts[+$("traj").value];
+    if (!r) return view.replaceChildren(el("p", "muted", "no trajectory matches"));
+    const outcome = el("b", r.success ? "ok" : "bad", r.success ? "success" : "failure");
+    view.replaceChildren(el("p", "", `${r.split} · step ${r.step} · seed ${r.seed} · `, outcome,
+                            ` · reward ${num(r.reward)} · ${r.turns.length} turn(s)`),
+                         ...r.turns.map((t, i) => drawTurn(t, i, r.split)));
+  }
+  function showList() {  // the trajectories of the chosen split and step, filtered by outcome
+    const want = $("outcome").value;
+    const list = rollouts.filter((r) => r.split === $("split").value && String(r.step) === $("step").value &&
+                                        (want === "all" || r.success === (want === "success")));
+    fill($("traj"), list.map((r) => [String(rollouts.indexOf(r)),
+                                     `seed ${r.seed} · ${r.success ? "✓" : "✗"} · reward ${num(r.reward)}`]));
+    showTrajectory();
+  }
+  function showSteps() {  // the steps of the chosen split; the latest is selected
+    const steps = [...new Set(rollouts.filter((r) => r.split === $("split").value).map((r) => r.step))];
+    steps.sort((a, b) => a - b);
+    fill($("step"), steps.map((s) => [String(s), `step ${s}`]));
+    $("step").value = String(steps[steps.length - 1]);
+    showList();
+  }
+  if (rollouts.length) {
+    const splits = [...new Set(rollouts.map((r) => r.split))].sort().reverse();  // val first: it has every eval step
+    fill($("split"), splits.map((s) => [s, s]));
+    $("split").addEventListener("change", showSteps);
+    $("step").addEventListener("change", showList);
+    $("outcome").addEventListener("change", showList);
+    $("traj").addEventListener("change", showTrajectory);
+    showSteps();
+  } else {
+    $("controls").hidden = true;
+    view.replaceChildren(el("p", "muted", "No rollouts logged yet (rollouts.jsonl is missing or empty)."));
+  }
+  if (root.dataset.reportStatus !== "error") root.dataset.reportStatus = "ok";  // read by the browser test
+})();
+"""
+
+
+def render_page(run_dir: Path) -> str:
+    config, metrics, rollouts = load_run(run_dir)
+    task = infer_task(config, rollouts, run_dir)
+    kept, total = viewer_rollouts(rollouts, task)
+    high = config.get("high_arm_name")
+    high_arm = {"train": high, "val": config.get("val_high_arm_name") or high}
+    data = dict(rollouts=kept, grid_style=GRID_STYLE, grid_legend=GRID_LEGEND, thing_colours=THING_COLOURS,
+                high_arm=high_arm)  # the bandit: which arm name is the high-risk one, per split
+    # Only this exact script may run: a reply that somehow reached the page as markup could not execute anything.
+    script_hash = base64.b64encode(hashlib.sha256(JS.encode()).digest()).decode()
+    csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{script_hash}'"
+    note = f"{len(kept)} of {total} logged trajectories embedded" if total else ""
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
+<title>{esc(task)} · {esc(config.get("algo", "run"))} · {esc(run_dir.resolve().name)}</title>
+<style>{CSS}</style></head><body><main>
+{header(config, metrics, task, run_dir)}
+<h2>Curves</h2><div class="charts">
+{chr(10).join(charts(metrics))}
+</div>
+<h2>Rollouts <small class="muted">{esc(note)}</small></h2>
+<div class="controls" id="controls"><label>split <select id="split"></select></label>
+<label>step <select id="step"></select></label>
+<label>outcome <select id="outcome"><option value="all">all</option><option value="success">success</option>
+<option value="failure">failure</option></select></label><label>trajectory <select id="traj"></select></label></div>
+<div id="trajectory"><noscript>The rollout viewer needs JavaScript.</noscript></div>
+<p class="muted">Rebuild: <code>python report.py {esc(run_dir)}</code> · written {time.strftime("%Y-%m-%d %H:%M")}</p>
+</main>
+<script type="application/json" id="report-data">{json_for_script(data)}</script>
+<script>{JS}</script>
+</body></html>
+"""
+
+
+def build_report(run_dir) -> Path:
+    """Write run_dir/report.html atomically (a temporary file, then os.replace) and return its path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NotADirectoryError(f"not a run directory: {run_dir}")
+    out = run_dir / "report.html"
+    tmp = run_dir / f".report.html.{os.getpid()}.tmp"
+    tmp.write_text(render_page(run_dir), encoding="utf-8")
+    os.replace(tmp, out)  # readers see the old page or the new one, never half of one
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: python report.py RUN_DIR   (rebuilds RUN_DIR/report.html)", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0])
+    files = ("config.json", "metrics.jsonl", "rollouts.jsonl")
+    if not run_dir.is_dir() or not any((run_dir / f).is_file() for f in files):
+        print(f"report.py: {run_dir} is not a run directory (none of {', '.join(files)})", file=sys.stderr)
+        return 2
+    print(build_report(run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
