@@ -22,6 +22,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 import typing
@@ -454,3 +455,118 @@ def build_tiny_model(
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"  tiny model ready: {info['params'] / 1e6:.1f}M parameters, {info['build_seconds']}s")
     return out
+
+
+#### Run directory, checkpoints and resume #############################################################################
+# checkpoints/step-000040/ holds policy/ (a save_pretrained model + tokenizer, loadable on its own), state.pt (critic,
+# optimizers, RNG states, step, history) and COMPLETE, written last. It is built under a temporary name and renamed
+# into place, so a crash mid-save never leaves a half checkpoint that looks whole.
+
+
+def prepare_run_dir(out_dir: Path, resume: bool, overwrite: bool) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run. Refuses to mix two runs in one directory."""
+    out_dir = Path(out_dir)
+    has_run = (out_dir / "metrics.jsonl").exists() or (out_dir / "checkpoints").exists()
+    if resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            fail("--resume", f"no complete checkpoint under {out_dir / 'checkpoints'}")
+        return ckpt
+    if has_run and not overwrite:
+        fail("--output-dir", f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    for name in ("metrics.jsonl", "rollouts.jsonl", "report.html", "config.json"):
+        (out_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+    return None
+
+
+def _load_state(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)  # weights_only: a checkpoint cannot run code
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """Newest complete checkpoint; torn or partial ones are skipped with a warning."""
+    root = Path(out_dir) / "checkpoints"
+    for ckpt in sorted(root.glob("step-*"), reverse=True) if root.exists() else []:
+        try:
+            if not (ckpt / "COMPLETE").exists() or not (ckpt / "policy" / "config.json").exists():
+                raise ValueError("incomplete")
+            _load_state(ckpt / "state.pt")
+            return ckpt
+        except Exception as e:  # noqa: BLE001 - any damage means: do not resume from this one
+            print(f"warning: skipping damaged checkpoint {ckpt} ({type(e).__name__}: {e})", file=sys.stderr)
+    return None
+
+
+def rng_state(*generators: torch.Generator) -> dict:
+    state = {"python": random.getstate(), "numpy": [torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x
+                                                    for x in np.random.get_state()],
+             "torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict, *generators: torch.Generator) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(tuple(x.numpy() if torch.is_tensor(x) else x for x in state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    for g, s in zip(generators, state["generators"]):
+        g.set_state(s)
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(out_dir: Path, step: int, policy, tok, state: dict, keep: int = 2) -> Path:
+    """Write checkpoints/step-<step> atomically and keep only the newest `keep` checkpoints."""
+    root = Path(out_dir) / "checkpoints"
+    final, tmp = root / f"step-{step:06d}", root / f".step-{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp / "policy")
+    tok.save_pretrained(tmp / "policy")
+    torch.save(state, tmp / "state.pt")
+    (tmp / "COMPLETE").write_text(f"{step}\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint_state(ckpt: Path) -> dict:
+    return _load_state(Path(ckpt) / "state.pt")
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the lines of a metrics/rollouts file up to `last_step` (and drop a torn last line): on resume, the
+    steps after the checkpoint are run again, so they must not appear twice."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM ask the loop to checkpoint and stop at the next step boundary; a second Ctrl-C stops now."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(f"\n{self.requested}: finishing this step, then saving a checkpoint and stopping "
+              "(press Ctrl-C again to stop at once)", file=sys.stderr)
+

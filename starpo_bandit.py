@@ -41,7 +41,7 @@ import random
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 import common
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
+from report import build_report, read_jsonl
 
 
 @dataclass
@@ -59,7 +60,11 @@ class Args:
     seed: int = 0
     """random seed (training seeds, sampling, shuffling)"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl, config.json and checkpoints go (default: runs/bandit-<algo>-<estimator>-s<seed>)"""
+    """where metrics.jsonl, rollouts.jsonl, config.json and checkpoints go (default: a new runs/bandit-... folder)"""
+    resume: bool = False
+    """continue the run in --output-dir from its newest complete checkpoint"""
+    overwrite: bool = False
+    """replace the run already in --output-dir"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available"""
     # ---- model and generation ----
@@ -153,10 +158,20 @@ class Args:
     """evaluate every N steps (and before training); 0 = only before and after"""
     val_size: Optional[int] = None
     """evaluation seeds (paper 256; tiny 256)"""
-    save_every: int = 0
-    """save a checkpoint every N steps (0 = only at the end)"""
+    save_every: int = 25
+    """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    max_skipped: int = 3
+    """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
+    mask_truncated: bool = False
+    """do not train on replies cut at --max-tokens (their reward still counts in the group statistics)"""
+    trust_remote_code: bool = False
+    """allow a Hugging Face model to run its own Python code (off: only the transformers library's code runs)"""
     sample_every: int = 10
     """print one rollout with its rubric breakdown every N steps (0 = never)"""
+    log_rollouts_every: int = 10
+    """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
 
 
 PAPER_DEFAULTS = dict(max_tokens=500, n_groups=8, group_size=16, steps=200, lr=1e-6, critic_lr=1e-5, val_size=256)
@@ -309,32 +324,63 @@ def cut_at_stop(ids: list[int], logps: list[float], stops: list[int]) -> tuple[l
     return ids, logps
 
 
+def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p. z: (B, V) logits."""
+    if top_p >= 1.0:
+        return z
+    sorted_z, order = z.sort(dim=-1, descending=True)  # (B, V)
+    probs = sorted_z.softmax(-1)  # (B, V)
+    drop = probs.cumsum(-1) - probs > top_p  # (B, V): the mass before this token already reached top_p
+    return z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
+
+
 @torch.no_grad()
 def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size):
-    """Sample one reply per prompt with transformers' generate. Returns [(reply token ids, their log-probs)]."""
-    from transformers import GenerationConfig
+    """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
 
-    stops = stop_token_ids(tok)
-    # A fresh config: a checkpoint's own generation_config (Qwen's top_k=20, repetition_penalty=1.05) must not leak in.
-    cfg = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_tokens,
-                           eos_token_id=stops, pad_token_id=tok.pad_token_id, return_dict_in_generate=True,
-                           output_logits=True)
+    Same rules as vLLM here: temperature, top-p, no top-k, no penalties. Why not model.generate? Members of a
+    group share their prompt, so we prefill each distinct prompt once and copy its KV cache to the group: the
+    prompt is most of the compute on a CPU (the bandit's 8 x 8 batch has 8 distinct prompts). The log-probs are
+    those of the tempered distribution, which is what the update pass recomputes.
+    """
+    from transformers import DynamicCache
+
+    stops = torch.tensor(stop_token_ids(tok))
     device = next(model.parameters()).device
     results = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        width = max(len(p) for p in chunk)
-        input_ids = torch.full((len(chunk), width), tok.pad_token_id, device=device)  # (b, P), left-padded
-        attn = torch.zeros((len(chunk), width), dtype=torch.long, device=device)  # (b, P)
-        for j, p in enumerate(chunk):
+        distinct = list(dict.fromkeys(tuple(p) for p in chunk))
+        row = torch.tensor([distinct.index(tuple(p)) for p in chunk], device=device)  # (b,): chunk row -> distinct prompt
+        width = max(len(p) for p in distinct)
+        input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
+        attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
+        for j, p in enumerate(distinct):
             input_ids[j, width - len(p) :] = torch.tensor(p)
             attn[j, width - len(p) :] = 1
-        out = model.generate(input_ids=input_ids, attention_mask=attn, generation_config=cfg)
-        new = out.sequences[:, width:]  # (b, R)
-        logits = torch.stack(out.logits, dim=1)  # (b, R, V), raw logits of each sampling step
-        logps = common.token_logprobs(logits, new, temperature)  # (b, R)
-        for j in range(len(chunk)):
-            results.append(cut_at_stop(new[j].tolist(), logps[j].tolist(), stops))
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P): left padding must not shift positions
+        cache = DynamicCache()
+        out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
+        logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, P), (b, 1)
+        tokens, logps = [], []
+        done = torch.zeros(len(chunk), dtype=torch.bool, device=device)  # (b,)
+        for _ in range(max_tokens):
+            logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (b, V)
+            nxt = torch.multinomial(top_p_filter(logp_all, top_p).exp(), 1).squeeze(-1)  # (b,)
+            nxt = nxt.masked_fill(done, tok.pad_token_id)  # finished rows only pad
+            tokens.append(nxt)
+            logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
+            done |= torch.isin(nxt, stops.to(device))
+            if done.all():
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, P + t)
+            pos = pos + 1
+            out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]  # (b, V)
+        new, new_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (b, R)
+        results += [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
     return results
 
 
@@ -391,25 +437,46 @@ class Trajectory:
     sample: Sample
     score: float
     parts: dict
+    state: str = ""  # the observation the model was shown
+    truncated: bool = False  # the reply hit --max-tokens before its end-of-turn token
+    overflow: bool = False  # the prompt left no room under --max-model-len: no reply was generated
 
 
-def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float) -> list[Trajectory]:
-    """One episode per seed: reset, prompt, sample a reply, parse, step, score."""
+def rollout_record(t: Trajectory, step: int, split: str) -> dict:
+    """One line of rollouts.jsonl: the trajectory turn by turn (one turn on the bandit), for the report viewer."""
+    s = t.sample
+    turn = dict(state=t.state, text=s.text, think=s.think, answer=s.answer, reward=s.env_reward, rubric=t.parts,
+                actions=[s.answer.strip()] if s.info["action_is_valid"] else [])
+    return dict(step=step, split=split, task="bandit", seed=t.seed, success=bool(s.info["success"]), reward=t.score,
+                turns=[turn])
+
+
+def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, max_prompt_len: int) -> list[Trajectory]:
+    """One episode per seed: reset, prompt, sample a reply, parse, step, score.
+
+    A prompt longer than max_prompt_len (= --max-model-len - --max-tokens) gets no reply: the episode ends as an
+    invalid answer and is counted in train/context_overflow, instead of crashing the model mid-batch.
+    """
     envs = [BanditEnv(**env_kwargs) for _ in seeds]
+    states = [env.reset(seed) for env, seed in zip(envs, seeds)]
     prompts = []
-    for env, seed in zip(envs, seeds):
-        text = tok.apply_chat_template(make_messages(env.reset(seed)), add_generation_prompt=True, tokenize=False)
+    for state in states:
+        text = tok.apply_chat_template(make_messages(state), add_generation_prompt=True, tokenize=False)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    replies = generate(prompts, temperature)
+    fits = [i for i, p in enumerate(prompts) if len(p) <= max_prompt_len]
+    replies = [([], [])] * len(prompts)
+    for i, reply in zip(fits, generate([prompts[i] for i in fits], temperature) if fits else []):
+        replies[i] = reply
     stops = set(stop_token_ids(tok))
     trajs = []
-    for env, seed, p_ids, (r_ids, r_logps) in zip(envs, seeds, prompts, replies):
+    for env, seed, state, p_ids, (r_ids, r_logps) in zip(envs, seeds, states, prompts, replies):
         text = tok.decode([t for t in r_ids if t not in stops], skip_special_tokens=False)
         think, answer = parse_reply(text)
         _, reward, _, info = env.step(answer if answer is not None else "")
         sample = Sample(text=text, think=think, answer=answer, env_reward=reward, info=info)
         total, parts = score(sample)
-        trajs.append(Trajectory(seed, p_ids, r_ids, r_logps, sample, total, parts))
+        trajs.append(Trajectory(seed, p_ids, r_ids, r_logps, sample, total, parts, state,
+                                truncated=bool(r_ids) and r_ids[-1] not in stops, overflow=len(p_ids) > max_prompt_len))
     return trajs
 
 
@@ -455,11 +522,11 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
 class Critic(nn.Module):
     """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
 
-    def __init__(self, path: str, dtype):
+    def __init__(self, path: str, dtype, trust_remote_code: bool = False):
         super().__init__()
         from transformers import AutoModel
 
-        self.body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+        self.body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.head = nn.Linear(self.body.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)  # start at V = 0: advantages begin as plain returns
         nn.init.zeros_(self.head.bias)
@@ -491,8 +558,18 @@ def micro_batches(n: int, size: int, generator=None):
 ########################################################################################################################
 
 
-def resolve_args(args: Args) -> tuple[Args, str, str, str]:
+def resolve_args(args: Args):
     """Check every flag and fill the derived defaults. Runs before any model loads; bad input exits with one line."""
+    if args.resume:  # continue with the saved settings; a flag given now (other than its default) still wins
+        if not args.output_dir:
+            common.fail("--resume", "needs --output-dir, the folder of the run to continue")
+        saved_path = Path(args.output_dir) / "config.json"
+        if not saved_path.exists():
+            common.fail("--resume", f"no config.json in {args.output_dir}: nothing to resume")
+        saved, defaults = json.loads(saved_path.read_text()), Args()
+        for f in fields(Args):
+            if f.name in saved and f.name not in ("resume", "overwrite") and getattr(args, f.name) == getattr(defaults, f.name):
+                setattr(args, f.name, saved[f.name])
     if args.device == "cuda" and not torch.cuda.is_available():
         common.fail("--device", "cuda requested but no CUDA device is visible")
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
@@ -509,7 +586,7 @@ def resolve_args(args: Args) -> tuple[Args, str, str, str]:
         except Exception:
             has_vllm = False
         if backend == "vllm" and not has_vllm:
-            common.fail("--backend", "vllm needs a CUDA device and `pip install -r requirements-vllm.txt`; use --backend hf")
+            common.fail("--backend", "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf")
         backend = "vllm" if has_vllm else "hf"
     defaults = TINY_DEFAULTS if model == "tiny" else PAPER_DEFAULTS
     for k, v in defaults.items():
@@ -522,7 +599,7 @@ def resolve_args(args: Args) -> tuple[Args, str, str, str]:
     args.dual_clip = args.dual_clip if args.dual_clip is not None else (3.0 if s else 0.0)
     args.val_low_arm_name = args.val_low_arm_name or args.low_arm_name
     args.val_high_arm_name = args.val_high_arm_name or args.high_arm_name
-    args.output_dir = args.output_dir or f"runs/bandit-{args.algo}-{args.estimator}-s{args.seed}"
+    args.output_dir = args.output_dir or f"runs/bandit-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     checks = [
         ("--group-size", args.group_size >= 2 or args.estimator != "grpo", "must be >= 2 with --estimator grpo (a group of one has no baseline)"),
@@ -547,6 +624,10 @@ def resolve_args(args: Args) -> tuple[Args, str, str, str]:
         ("--micro-batch-size", args.micro_batch_size >= 1, "must be >= 1"),
         ("--gen-batch-size", args.gen_batch_size >= 1, "must be >= 1"),
         ("--eval-every", args.eval_every >= 0, "must be >= 0"),
+        ("--save-every", args.save_every >= 0, "must be >= 0"),
+        ("--keep-checkpoints", args.keep_checkpoints >= 1, "must be >= 1"),
+        ("--max-skipped", args.max_skipped >= 1, "must be >= 1"),
+        ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
         ("--high-arm-prob", 0 <= args.high_arm_prob <= 1, "must be in [0, 1]"),
         ("--high-arm-name", args.low_arm_name.strip().lower() != args.high_arm_name.strip().lower(), "must differ from --low-arm-name"),
         ("--val-high-arm-name", args.val_low_arm_name.strip().lower() != args.val_high_arm_name.strip().lower(), "must differ from --val-low-arm-name"),
@@ -555,7 +636,8 @@ def resolve_args(args: Args) -> tuple[Args, str, str, str]:
     for flag, ok, msg in checks:
         if not ok:
             common.fail(flag, msg)
-    return args, device, model, backend
+    resume_from = common.prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
+    return args, device, model, backend, resume_from
 
 
 def tiny_warmup_examples(pairs: list[tuple[str, str]], n: int = 1000, seed: int = 0) -> list[tuple[list[dict], str]]:
@@ -577,16 +659,16 @@ def tiny_warmup_examples(pairs: list[tuple[str, str]], n: int = 1000, seed: int 
     return examples
 
 
-def evaluate(generate, tok, args: Args) -> dict:
+def evaluate(generate, tok, args: Args) -> tuple[dict, list[Trajectory]]:
     seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
     env_kwargs = dict(low_name=args.val_low_arm_name, high_name=args.val_high_arm_name, low_reward=args.low_arm_reward,
                       high_reward=args.high_arm_reward, high_prob=args.high_arm_prob)
-    trajs = rollout(generate, tok, seeds, env_kwargs, args.val_temperature)
+    trajs = rollout(generate, tok, seeds, env_kwargs, args.val_temperature, args.max_model_len - args.max_tokens)
     return {
         "val/success": statistics.mean(t.sample.info["success"] for t in trajs),
         "val/reward": statistics.mean(t.score for t in trajs),
         "val/action_is_valid": statistics.mean(t.sample.info["action_is_valid"] for t in trajs),
-    }
+    }, trajs
 
 
 def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
@@ -607,7 +689,7 @@ def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
 
 
 def main(argv=None):
-    args, device, model_name, backend = resolve_args(common.parse_args(Args, argv, description=__doc__.split("\n")[0]))
+    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, description=__doc__.split("\n")[0]))
     common.seed_everything(args.seed)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -622,48 +704,82 @@ def main(argv=None):
     tqdm.write(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  estimator: {args.estimator}")
     if model_name == "tiny":
         tqdm.write("tiny model: CPU-sized defaults " + ", ".join(f"{k}={getattr(args, k)}" for k in TINY_DEFAULTS))
-    (out_dir / "config.json").write_text(json.dumps(dict(asdict(args), model_path=model_path, device=device, backend=backend), indent=1))
+    if resume_from is None:
+        (out_dir / "config.json").write_text(json.dumps(dict(asdict(args), task="bandit", model_path=model_path, device=device, backend=backend), indent=1))
+    # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
+    policy_path = str(resume_from / "policy") if resume_from else model_path
+    remote = args.trust_remote_code
 
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = None
     if backend == "vllm":  # build the engine before the optimizer state takes GPU memory
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        llm = LLM(**vllm_engine_kwargs(args, model_path))
+        llm = LLM(**vllm_engine_kwargs(args, policy_path))
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=False).to(device)
-    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval() if args.kl_coef > 0 else None
-    critic = Critic(model_path, dtype).to(device) if args.estimator == "gae" else None
+    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, trust_remote_code=remote).to(device)
+    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=remote).to(device).eval() if args.kl_coef > 0 else None
+    critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
     shuffle_gen = torch.Generator().manual_seed(args.seed)
+    start_step, history, warned, skipped_in_a_row = 1, [], set(), 0
+    if resume_from is not None:
+        state = common.load_checkpoint_state(resume_from)
+        opt.load_state_dict(state["opt"])
+        if critic is not None:
+            critic.load_state_dict(state["critic"])
+            critic_opt.load_state_dict(state["critic_opt"])
+        common.set_rng_state(state["rng"], shuffle_gen)
+        start_step, history, warned, skipped_in_a_row = state["step"] + 1, state["history"], set(state["warned"]), state["skipped_in_a_row"]
+        for name in ("metrics.jsonl", "rollouts.jsonl"):  # steps after the checkpoint will be run again
+            common.truncate_jsonl(out_dir / name, state["step"])
+        tqdm.write(f"resumed from {resume_from} at step {state['step']}")
+
+    def checkpoint(step: int) -> Path:
+        state = dict(step=step, opt=opt.state_dict(), rng=common.rng_state(shuffle_gen), history=history,
+                     warned=sorted(warned), skipped_in_a_row=skipped_in_a_row)
+        if critic is not None:
+            state.update(critic=critic.state_dict(), critic_opt=critic_opt.state_dict())
+        return common.save_checkpoint(out_dir, step, policy, tok, state, args.keep_checkpoints)
+
+    gen_seconds = [0.0]  # generation time, accumulated by the closure below (the rest of a rollout is the env)
 
     def generate(prompts, temperature):
+        t = time.time()
         policy.eval()
         if llm is not None:
-            return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
-        with autocast:
-            return hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
+            out = vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
+        else:
+            with autocast:
+                out = hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
+        gen_seconds[0] += time.time() - t
+        return out
 
     env_kwargs = dict(low_name=args.low_arm_name, high_name=args.high_arm_name, low_reward=args.low_arm_reward,
                       high_reward=args.high_arm_reward, high_prob=args.high_arm_prob)
     metrics_file = common.Metrics(out_dir / "metrics.jsonl")
-    history, warned = [], set()
+    rollouts_file = common.Metrics(out_dir / "rollouts.jsonl")
+    stop = common.GracefulStop()
     t_start = time.time()
-    val = evaluate(generate, tok, args)
-    metrics_file.write({"step": 0, **val, "time_s": time.time() - t_start, "timestamp": time.time()})
-    tqdm.write(f"step 0  val/success {val['val/success']:.3f}  val/reward {val['val/reward']:.3f}")
-    bar = tqdm(range(1, args.steps + 1), desc="starpo-bandit", dynamic_ncols=True)
+    if resume_from is None:
+        val, val_trajs = evaluate(generate, tok, args)
+        for t in val_trajs[:64]:
+            rollouts_file.write(rollout_record(t, 0, "val"))
+        metrics_file.write({"step": 0, **val, "time_s": time.time() - t_start, "timestamp": time.time()})
+        tqdm.write(f"step 0  val/success {val['val/success']:.3f}  val/reward {val['val/reward']:.3f}")
+        build_report(out_dir)  # report.html: rewritten at every evaluation and at the end
+    bar = tqdm(range(start_step, args.steps + 1), desc="starpo-bandit", dynamic_ncols=True, initial=start_step - 1, total=args.steps)
     for step in bar:
-        t0 = time.time()
+        t0, gen_seconds[0] = time.time(), 0.0
         # ---- rollout: n_groups fresh seeds, each shared by group_size rollouts --------------------------------------
         G, n = args.n_groups, args.group_size
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
-        trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature)
-        t_gen = time.time() - t0
+        trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature, args.max_model_len - args.max_tokens)
+        t_gen, t_env = gen_seconds[0], time.time() - t0 - gen_seconds[0]
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
 
         # ---- uncertainty filter: train only on the groups whose rewards disagree most -------------------------------
@@ -673,20 +789,28 @@ def main(argv=None):
         batch_trajs = [trajs[i] for i in rows.tolist()]
         batch = collate(batch_trajs, tok.pad_token_id, device)
         N, R = batch["reply_mask"].shape
-        mask = batch["reply_mask"]  # (N, R)
+        truncated = torch.tensor([t.truncated for t in batch_trajs], device=device)  # (N,)
+        mask = batch["reply_mask"] * (~truncated if args.mask_truncated else torch.ones_like(truncated))[:, None]  # (N, R)
 
         # ---- old log-probs, reference log-probs, values (no grad) ---------------------------------------------------
+        # The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we
+        # reuse those log-probs; vLLM's kernels and bf16 differ slightly, so there we recompute them, as veRL does.
         t1 = time.time()
-        old_logp, ref_logp, old_values = torch.zeros(N, R, device=device), torch.zeros(N, R, device=device), torch.zeros(N, R, device=device)
+        old_logp = torch.zeros(N, R, device=device)  # (N, R)
+        for i, t in enumerate(batch_trajs):
+            old_logp[i, : len(t.gen_logprobs)] = torch.tensor(t.gen_logprobs)
+        ref_logp, old_values = torch.zeros(N, R, device=device), torch.zeros(N, R, device=device)  # (N, R) each
         policy.eval()
         with torch.no_grad(), autocast:
             for idx in micro_batches(N, args.micro_batch_size):
                 mb = micro_view(batch, idx)
-                old_logp[idx, : mb["r1"]] = policy_forward(policy, mb, args.temperature)[0]
+                if llm is not None:
+                    old_logp[idx, : mb["r1"]] = policy_forward(policy, mb, args.temperature)[0]
                 if ref is not None:
                     ref_logp[idx, : mb["r1"]] = policy_forward(ref, mb, args.temperature)[0]
                 if critic is not None:
                     old_values[idx, : mb["r1"]] = critic(mb).float()
+        t_logprob = time.time() - t1
 
         # ---- advantages -----------------------------------------------------------------------------------------
         kept_scores = scores[kept]  # (K, n)
@@ -696,54 +820,63 @@ def main(argv=None):
             returns = None
         else:
             token_rewards = torch.zeros(N, R, device=device)  # (N, R): the score sits on the last reply token
-            token_rewards[torch.arange(N), batch["reply_len"] - 1] = kept_scores.view(-1).to(device)
+            last = (batch["reply_len"] - 1).clamp(min=0)  # an empty reply (context overflow) has no token to carry it
+            token_rewards[torch.arange(N), last] = kept_scores.view(-1).float().to(device)
             advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
 
         # ---- PPO update --------------------------------------------------------------------------------------------
+        t2 = time.time()
         policy.train()
         stats: dict[str, list] = {}
+        skipped = 0
         for _ in range(args.ppo_epochs):
             for mini in micro_batches(N, args.mini_batch_size, shuffle_gen):
                 opt.zero_grad(set_to_none=True)
                 if critic_opt:
                     critic_opt.zero_grad(set_to_none=True)
-                mini_mask = mask[mini]
+                mini_mask, finite = mask[mini], True
                 for idx in micro_batches(len(mini), args.micro_batch_size):
                     mb = micro_view(batch, mini[idx])
-                    m, r1 = mb["reply_mask"], mb["r1"]
-                    w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # so that micro-batches add up to the mini-batch loss
+                    i, r1 = mb["idx"], mb["r1"]
+                    m = mask[i, :r1]  # (b, r)
+                    w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # micro-batches add up to the mini-batch loss
                     with autocast:
                         logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, r) each
-                    pg, pg_stats = policy_loss(logp, old_logp[mb["idx"], :r1], advantages[mb["idx"], :r1], m,
-                                               args.clip_low, args.clip_high, args.dual_clip or None, args.loss_agg)
+                    pg, pg_stats = policy_loss(logp, old_logp[i, :r1], advantages[i, :r1], m, args.clip_low,
+                                               args.clip_high, args.dual_clip or None, args.loss_agg)
                     ent = agg_loss(entropy, m, args.loss_agg)
                     loss = pg - args.entropy_coef * ent
                     if ref is not None:
-                        kl = agg_loss(kl_penalty(logp, ref_logp[mb["idx"], :r1], args.kl_kind), m, args.loss_agg)
+                        kl = agg_loss(kl_penalty(logp, ref_logp[i, :r1], args.kl_kind), m, args.loss_agg)
                         loss = loss + args.kl_coef * kl
                         pg_stats["kl_loss"] = kl.item()
-                    (loss * w).backward()
-                    pg_stats["entropy"] = ent.item()
                     if critic is not None:
                         with autocast:
                             values = critic(mb)  # (b, r)
-                        vf, vf_stats = value_loss(values, old_values[mb["idx"], :r1], returns[mb["idx"], :r1], m,
-                                                  args.value_clip, args.loss_agg)
-                        (vf * w).backward()
+                        vf, vf_stats = value_loss(values, old_values[i, :r1], returns[i, :r1], m, args.value_clip, args.loss_agg)
+                        loss = loss + vf  # separate parameters and optimizers: one backward serves both
                         pg_stats.update(vf_stats)
+                    finite = finite and bool(torch.isfinite(loss))
+                    if finite:
+                        (loss * w).backward()
+                    pg_stats["entropy"] = ent.item()
                     for k, v in pg_stats.items():
                         stats.setdefault(k, []).append(v)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
-                stats.setdefault("grad_norm", []).append(grad_norm)
-                if math.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip that step
-                    opt.step()
-                if critic_opt:
+                if critic is not None:
                     torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
-                    critic_opt.step()
+                if finite and math.isfinite(grad_norm):
+                    stats.setdefault("grad_norm", []).append(grad_norm)
+                    opt.step()
+                    if critic_opt:
+                        critic_opt.step()
+                else:  # one NaN/inf would poison the weights and the Adam state: skip this update entirely
+                    skipped += 1
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
         if llm is not None:
             vllm_push_weights(llm, policy)
-        t_update = time.time() - t1
+        t_update = time.time() - t2
 
         # ---- log -------------------------------------------------------------------------------------------------
         record = {
@@ -751,21 +884,28 @@ def main(argv=None):
             "train/success": statistics.mean(t.sample.info["success"] for t in trajs),
             "train/reward": statistics.mean(t.score for t in trajs),
             "train/action_is_valid": statistics.mean(t.sample.info["action_is_valid"] for t in trajs),
+            "train/context_overflow": sum(t.overflow for t in trajs),
             "rollout/in_group_std": group_std.mean().item(),
             "rollout/chosen_in_group_std": group_std[kept].mean().item(),
             "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
             "rollout/kept_groups": len(kept),
+            "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
             "response_length/mean": statistics.mean(len(t.reply_ids) for t in trajs),
             "think_length/mean": statistics.mean(len(t.sample.think or "") for t in trajs),
             **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
             **{("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()},
+            "actor/skipped_updates": skipped,
             "timing_s/gen": t_gen,
+            "timing_s/env": t_env,
+            "timing_s/logprob": t_logprob,
             "timing_s/update": t_update,
         }
         if critic is not None:
             ret, val_old = returns[mask.bool()], old_values[mask.bool()]
             record["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
-        history.append(record)
+        history.append({k: v for k, v in record.items() if k in ("rollout/in_group_std", "actor/grad_norm")})
+        if skipped:
+            tqdm.write(f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient ({skipped_in_a_row} step(s) in a row)")
         for w_msg in echo_trap_warnings(history, warned):
             tqdm.write(f"[echo-trap warning, step {step}] {w_msg}")
             record["warn/echo_trap"] = 1
@@ -775,28 +915,35 @@ def main(argv=None):
             tqdm.write("    " + t.sample.text[:300].replace("\n", "\n    "))
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             te = time.time()
-            record.update(evaluate(generate, tok, args))
-            record["timing_s/eval"] = time.time() - te
+            val, val_trajs = evaluate(generate, tok, args)
+            record.update(val, **{"timing_s/eval": time.time() - te})
+            for t in val_trajs[:64]:
+                rollouts_file.write(rollout_record(t, step, "val"))
+        if args.log_rollouts_every and step % args.log_rollouts_every == 0:
+            for t in trajs[::n]:
+                rollouts_file.write(rollout_record(t, step, "train"))
         record["timing_s/step"] = time.time() - t0
         record["time_s"], record["timestamp"] = time.time() - t_start, time.time()
         metrics_file.write(record)
+        if "val/success" in record:
+            build_report(out_dir)
         bar.set_postfix({"succ": f"{record['train/success']:.2f}", "val": f"{record.get('val/success', float('nan')):.2f}",
                          "std": f"{record['rollout/in_group_std']:.3f}", "ent": f"{record.get('actor/entropy', 0):.2f}"})
-        if args.save_every and step % args.save_every == 0:
-            save_checkpoint(out_dir / f"checkpoint-{step}", policy, tok, critic)
-    save_checkpoint(out_dir / "checkpoint-final", policy, tok, critic)
+        if skipped_in_a_row >= args.max_skipped:
+            last = common.latest_checkpoint(out_dir)
+            common.fail("--max-skipped", f"{skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
+                                         f"without saving. Last good checkpoint: {last or 'none'}")
+        if step == args.steps or (args.save_every and step % args.save_every == 0) or stop.requested:
+            path = checkpoint(step)
+            if stop.requested and step < args.steps:
+                tqdm.write(f"stopped by {stop.requested} after step {step}; checkpoint {path}. Continue with: "
+                           f"python starpo_bandit.py --resume --output-dir {out_dir}")
+                raise SystemExit(130 if stop.requested == "SIGINT" else 143)
     metrics_file.close()
-    last = [h for h in history if "val/success" in h]
-    final = last[-1]["val/success"] if last else val["val/success"]
-    tqdm.write(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val/success {final:.3f}; outputs in {out_dir}")
-    return history
-
-
-def save_checkpoint(path: Path, policy, tok, critic) -> None:
-    policy.save_pretrained(path)
-    tok.save_pretrained(path)
-    if critic is not None:
-        torch.save(critic.state_dict(), path / "critic.pt")
+    rollouts_file.close()
+    evals = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "val/success" in r]
+    tqdm.write(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val/success {evals[-1]['val/success']:.3f}; "
+               f"policy: {common.latest_checkpoint(out_dir) / 'policy'}; report: {build_report(out_dir)}")
 
 
 if __name__ == "__main__":

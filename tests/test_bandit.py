@@ -248,7 +248,8 @@ EXPECTED_KEYS = {
     "train/success", "train/reward", "rollout/in_group_std", "rollout/chosen_in_group_std", "rollout/zero_std_frac",
     "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
     "actor/grad_norm", "response_length/mean", "think_length/mean", "rubric/env_reward", "rubric/format_reward",
-    "rubric/invalid_answer_penalty", "timing_s/gen", "timing_s/update", "timing_s/step",
+    "rubric/invalid_answer_penalty", "timing_s/gen", "timing_s/env", "timing_s/logprob", "timing_s/update",
+    "timing_s/step", "actor/skipped_updates", "train/context_overflow", "rollout/truncated_frac",
 }
 
 
@@ -265,16 +266,20 @@ def test_smoke_two_steps(algo, estimator, tmp_path):
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert EXPECTED_KEYS <= set(rows[1]), EXPECTED_KEYS - set(rows[1])
     assert {"val/success", "val/reward"} <= set(rows[0]) and {"val/success", "val/reward"} <= set(rows[2])
+    ckpt = common.latest_checkpoint(tmp_path)
+    assert ckpt.name == "step-000002"
+    state = common.load_checkpoint_state(ckpt)
     if estimator == "gae":
-        assert "critic/vf_loss" in rows[1] and (tmp_path / "checkpoint-final" / "critic.pt").exists()
+        assert "critic/vf_loss" in rows[1] and "critic" in state
     else:
-        assert "actor/kl_loss" in rows[1]  # starpo keeps the KL term
+        assert "actor/kl_loss" in rows[1] and "critic" not in state  # starpo keeps the KL term
     assert rows[1]["rollout/kept_groups"] == (1 if algo == "starpo-s" else 2)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["algo"] == algo and config["model_path"]
+    assert config["algo"] == algo and config["model_path"] and config["task"] == "bandit"
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-final")
+    AutoModelForCausalLM.from_pretrained(ckpt / "policy")  # a plain save_pretrained folder
+    assert (tmp_path / "report.html").exists() and (tmp_path / "rollouts.jsonl").exists()
     assert "sample (seed" in r.stdout + r.stderr  # the rollout printout with its rubric breakdown
 
 
