@@ -17,9 +17,10 @@ Run it:
 
 How it departs from the paper / RAGEN:
   * The payout draw is a pure function of the reset seed, and all members of a group share the seed, so a group
-    shares its luck: if Dragon pays in that group, it pays for every member who chose it. (RAGEN's code seeds the
-    same way.) With GRPO's per-group normalisation this matters: Phoenix "wins" 75% of groups, so plain StarPO
-    with GRPO tends to drift towards Phoenix, while StarPO-S's filter keeps the high-std groups, where Dragon paid.
+    shares its luck: if Dragon pays in that group, it pays for every member who chose it. With GRPO's per-group
+    normalisation this matters: Phoenix "wins" 75% of groups by the same normalised margin that Dragon wins the
+    other 25%, while StarPO-S's filter keeps the high-std groups, which are the ones where Dragon paid. (The
+    README's results table has both runs.)
   * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built and format-warmed on first
     use (random valid answers only, so the task itself is learned by RL); it uses CPU-sized defaults, printed at
     start. Paper defaults apply to any other model.
@@ -27,7 +28,7 @@ How it departs from the paper / RAGEN:
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
 in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
-when (a) the mean in-group std over the last 3 steps falls below 10% of its best earlier value (after 5 steps), or
+when (a) the mean in-group std over the last 3 steps falls below 10% of its best earlier value (from step 8), or
 (b) the gradient norm exceeds 5x the median of the previous 10 steps. On the bandit, (a) also fires when the policy
 has simply converged (everyone picks Dragon): check `val/success` to tell the two apart.
 """
