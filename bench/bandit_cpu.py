@@ -35,6 +35,7 @@ def main():
             env["STARPO_CACHE"] = str(Path(tmp) / "cache")
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "starpo_bandit.py", "--seed", str(a.seed), "--sample-every", "0", "--output-dir", str(run_dir), *a.extra]
+        load_start = os.getloadavg()
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.time() - t0
@@ -44,6 +45,7 @@ def main():
         config = json.loads((run_dir / "config.json").read_text())
     evals = [(r["step"], round(r["timestamp"] - t0, 1), r["val/success"]) for r in rows if "val/success" in r]
     train = [r for r in rows if "timing_s/gen" in r]
+    steps_s = lambda key: round(statistics.median(r[key] for r in train), 3)  # noqa: E731
     first = lambda thr: next((w for _, w, s in evals if s >= thr), None)  # noqa: E731
     batch = config["n_groups"] * config["group_size"]
     gen_tokens = sum(r["response_length/mean"] * batch for r in train)
@@ -59,10 +61,13 @@ def main():
         "median_s_per_step": round(statistics.median(r["timing_s/step"] for r in train), 3),
         "median_s_per_step_excl_eval": round(statistics.median(r["timing_s/gen"] + r["timing_s/update"] for r in train), 3),
         "gen_tokens_per_s": round(gen_tokens / sum(r["timing_s/gen"] for r in train), 1),
+        "median_s_breakdown": {k: steps_s(f"timing_s/{k}") for k in ("gen", "env", "logprob", "update")},
         "eval_curve": [{"step": s, "wall_s": w, "val_success": v} for s, w, v in evals],
         "target": ">= 0.95 eval high-arm rate within 180 s wall time (cold cache)",
         "target_met": bool(first(0.95) is not None and first(0.95) <= 180 and not a.warm_cache),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_avg_at_start": [round(x, 2) for x in load_start],
+                    "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
