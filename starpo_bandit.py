@@ -486,6 +486,8 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
 
         input_ids  (B, P + R):  [pad pad p p p | r r r pad]
         reply_mask (B, R):                      [1 1 1 0  ]
+        group      (B,):        rows with the same prompt share a number (a GRPO group), so the forward passes can
+                                run that prompt once for all of them (see reply_outputs)
     """
     P = max(len(t.prompt_ids) for t in trajs)
     R = max(max(len(t.reply_ids) for t in trajs), 1)
@@ -499,25 +501,60 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
         attn[i, P - p : P + r] = 1
         reply_mask[i, :r] = 1
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+    distinct = list(dict.fromkeys(tuple(t.prompt_ids) for t in trajs))
+    group = torch.tensor([distinct.index(tuple(t.prompt_ids)) for t in trajs])
     batch = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, reply_mask=reply_mask,
                  reply_ids=input_ids[:, P:], prompt_len=torch.tensor([len(t.prompt_ids) for t in trajs]),
-                 reply_len=torch.tensor([len(t.reply_ids) for t in trajs]), P=P)
+                 reply_len=torch.tensor([len(t.reply_ids) for t in trajs]), group=group, P=P)
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
 def micro_view(batch: dict, idx: torch.Tensor) -> dict:
-    """Rows idx of the batch, with columns trimmed to the longest prompt and reply among those rows."""
+    """Rows idx of the batch, trimmed to their longest prompt and reply, with each distinct prompt stored once:
+
+        prompt_ids (u, p)  the u distinct prompts among the rows, left-padded; row (b,) maps a row to its prompt
+        reply_ids  (b, r)  the replies, right-padded; reply_in (b, r - 1) = the tokens fed after the prompt
+    """
     P = batch["P"]
     p0 = P - int(batch["prompt_len"][idx].max())
     r1 = max(int(batch["reply_len"][idx].max()), 1)
-    view = {k: batch[k][idx, p0 : P + r1] for k in ("input_ids", "attention_mask", "position_ids")}
-    view.update({k: batch[k][idx, :r1] for k in ("reply_mask", "reply_ids")}, r1=r1, idx=idx)
+    groups, row = torch.unique(batch["group"][idx], return_inverse=True)  # (u,), (b,)
+    first = idx[[int((batch["group"][idx] == g).nonzero()[0]) for g in groups]]  # (u,): one row per distinct prompt
+    view = {f"prompt_{k}": batch[v][first, p0:P] for k, v in (("ids", "input_ids"), ("attn", "attention_mask"), ("pos", "position_ids"))}
+    reply_in = batch["reply_ids"][idx, : r1 - 1]  # (b, r - 1): the last reply token is never an input
+    reply_pos = batch["prompt_len"][idx, None] + torch.arange(r1 - 1, device=reply_in.device)  # (b, r - 1)
+    view.update(row=row, reply_in=reply_in, reply_pos=reply_pos, reply_mask=batch["reply_mask"][idx, :r1],
+                reply_ids=batch["reply_ids"][idx, :r1], r1=r1, idx=idx)
     return view
 
 
 ########################################################################################################################
 # UPDATE — policy, critic and the forward passes they share
 ########################################################################################################################
+
+
+def reply_outputs(model, mb: dict, field: str, **kw) -> torch.Tensor:
+    """The model's outputs at the positions that predict each reply token: (b, r, ...).
+
+    Position t predicts reply token t: the prompt's last position for t = 0, then reply tokens 0..r-2. Why two calls?
+    The rows of a group share their prompt, and the prompt is most of the sequence (the bandit: ~180 prompt tokens,
+    ~25 reply tokens). So each distinct prompt runs once, its KV cache is copied to its rows (an index, so gradients
+    from every row flow back into the one prompt pass), and the replies run on top: a group of 8 costs one prompt
+    instead of eight, in the log-prob pass and in the backward pass. Same numbers as one full-sequence pass, tested.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(input_ids=mb["prompt_ids"], attention_mask=mb["prompt_attn"], position_ids=mb["prompt_pos"],
+                past_key_values=cache, use_cache=True, **kw)
+    parts = [getattr(out, field)[mb["row"], -1:]]  # (b, 1, ...): each row's prompt end predicts reply token 0
+    if mb["r1"] > 1:
+        cache.batch_select_indices(mb["row"])  # (u, ...) -> (b, ...)
+        attn = torch.cat([mb["prompt_attn"][mb["row"]], torch.ones_like(mb["reply_in"])], dim=1)  # (b, p + r - 1)
+        out = model(input_ids=mb["reply_in"], attention_mask=attn, position_ids=mb["reply_pos"], past_key_values=cache,
+                    use_cache=True)
+        parts.append(getattr(out, field))  # (b, r - 1, ...); right padding is causal-invisible to real tokens
+    return torch.cat(parts, dim=1)
 
 
 class Critic(nn.Module):
@@ -533,17 +570,13 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, mb: dict) -> torch.Tensor:
-        h = self.body(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                      position_ids=mb["position_ids"]).last_hidden_state  # (b, p + r, H)
-        h = h[:, -(mb["r1"] + 1) : -1]  # (b, r, H): the state just before each reply token
+        h = reply_outputs(self.body, mb, "last_hidden_state")  # (b, r, H): the state just before each reply token
         return self.head(h.float()).squeeze(-1)  # (b, r)
 
 
 def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the reply tokens. Only the reply positions go through the LM head."""
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
-                logits_to_keep=mb["r1"] + 1)
-    logits = out.logits[:, :-1].float() / temperature  # (b, r, V): position t predicts reply token t
+    logits = reply_outputs(model, mb, "logits", logits_to_keep=1).float() / temperature  # (b, r, V)
     logp = common.token_logprobs(logits, mb["reply_ids"], 1.0)  # (b, r)
     entropy = common.entropy_from_logits(logits)  # (b, r)
     return logp, entropy
@@ -833,6 +866,7 @@ def main(argv=None):
         skipped = 0
         for _ in range(args.ppo_epochs):
             for mini in micro_batches(N, args.mini_batch_size, shuffle_gen):
+                mini = mini[torch.argsort(batch["group"][mini].cpu(), stable=True)]  # a group's rows together: one prompt pass
                 opt.zero_grad(set_to_none=True)
                 if critic_opt:
                     critic_opt.zero_grad(set_to_none=True)

@@ -195,12 +195,63 @@ def test_generation_logprobs_match_update_pass(tiny):
 def test_micro_view_trims_to_the_rows_it_holds(tiny):
     _, tok = tiny
     mk = lambda p, r: sb.Trajectory(0, p, r, [0.0] * len(r), None, 0.0, {})  # noqa: E731
-    batch = sb.collate([mk([1, 2, 3, 4], [5]), mk([6], [7, 8, 9])], tok.pad_token_id, "cpu")
-    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, tok.pad_token_id, tok.pad_token_id],
-                                           [tok.pad_token_id] * 3 + [6, 7, 8, 9]]
+    batch = sb.collate([mk([1, 2, 3, 4], [5]), mk([6], [7, 8, 9]), mk([1, 2, 3, 4], [10, 11])], tok.pad_token_id, "cpu")
+    pad = tok.pad_token_id
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, pad, pad], [pad] * 3 + [6, 7, 8, 9], [1, 2, 3, 4, 10, 11, pad]]
     assert batch["position_ids"][1, 3:].tolist() == [0, 1, 2, 3]
+    assert batch["group"].tolist() == [0, 1, 0]
     view = sb.micro_view(batch, torch.tensor([1]))
-    assert view["input_ids"].tolist() == [[6, 7, 8, 9]] and view["reply_mask"].tolist() == [[1, 1, 1]]
+    assert view["prompt_ids"].tolist() == [[6]] and view["reply_ids"].tolist() == [[7, 8, 9]]
+    assert view["reply_in"].tolist() == [[7, 8]] and view["reply_pos"].tolist() == [[1, 2]]
+    view = sb.micro_view(batch, torch.tensor([2, 0]))  # one distinct prompt, stored once
+    assert view["prompt_ids"].tolist() == [[1, 2, 3, 4]] and view["row"].tolist() == [0, 0]
+    assert view["reply_ids"].tolist() == [[10, 11], [5, pad]] and view["reply_mask"].tolist() == [[1, 1], [1, 0]]
+
+
+def test_shared_prompt_forward_equals_one_pass_per_row(tiny):
+    """reply_outputs runs each distinct prompt once and the replies on its copied KV cache: log-probs, entropies,
+    critic values and the gradients they send back must equal an unpadded full-sequence pass per row."""
+    model, tok = tiny
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, model.config.vocab_size, (n,), generator=gen).tolist() for n in (30, 17)]
+    trajs = []
+    for p in prompts:
+        for r in (1, 6, 11):
+            trajs.append(sb.Trajectory(0, p, torch.randint(5, model.config.vocab_size, (r,), generator=gen).tolist(), [], None, 0.0, {}))
+    batch = sb.collate(trajs, tok.pad_token_id, "cpu")
+    mb = sb.micro_view(batch, torch.tensor([4, 0, 2, 5, 1, 3]))  # shuffled, two groups, ragged prompts and replies
+    assert mb["prompt_ids"].shape[0] == 2
+    critic = sb.Critic(str(model.name_or_path), torch.float32)
+    torch.nn.init.normal_(critic.head.weight, std=0.1)  # a non-zero head, so values (and their gradients) say something
+    model.zero_grad(), critic.zero_grad()
+    logp, ent = sb.policy_forward(model, mb, 0.7)
+    values = critic(mb)
+    m = mb["reply_mask"]
+    ((logp * m).sum() + (ent * m).sum() + (values * m).sum()).backward()
+    shared = [q.grad.clone() for q in model.parameters()] + [q.grad.clone() for q in critic.parameters()]
+
+    model.zero_grad(), critic.zero_grad()
+    total = 0.0
+    for b, i in enumerate(mb["idx"].tolist()):
+        t = trajs[i]
+        ids = torch.tensor([t.prompt_ids + t.reply_ids])
+        span = slice(len(t.prompt_ids) - 1, len(ids[0]) - 1)  # the positions that predict the reply tokens
+        logits = model(input_ids=ids).logits[0, span].float() / 0.7
+        ref_logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(t.reply_ids)[:, None]).squeeze(-1)
+        ref_ent = common.entropy_from_logits(logits)
+        ref_val = critic.head(critic.body(input_ids=ids).last_hidden_state[0, span]).squeeze(-1)
+        n = len(t.reply_ids)
+        torch.testing.assert_close(logp[b, :n], ref_logp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent[b, :n], ref_ent, atol=1e-5, rtol=0)
+        torch.testing.assert_close(values[b, :n], ref_val, atol=1e-5, rtol=0)
+        total = total + ref_logp.sum() + ref_ent.sum() + ref_val.sum()
+    total.backward()
+    one_by_one = [q.grad for q in model.parameters()] + [q.grad for q in critic.parameters()]
+    for a, b in zip(shared, one_by_one):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+    assert sum(float(g.abs().sum()) for g in shared) > 0
+    model.zero_grad(set_to_none=True)
 
 
 # ---- flags: bad input fails in one line, before any model loads --------------------------------------------------
