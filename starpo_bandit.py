@@ -102,6 +102,11 @@ class Args:
     """payout of the high-risk arm when it pays"""
     high_arm_prob: float = 0.25
     """probability that the high-risk arm pays"""
+    # ---- rubric (WORKSHOP.md) ----
+    rubric: Literal["default", "no-dotall", "think-bonus", "think-bonus-gated"] = "default"
+    """which rubric to train with: RUBRICS below (the workshop's deliberately broken variants and their fixes)"""
+    rubric_weights: str = ""
+    """override rubric weights by name, e.g. 'env_reward=0,format_reward=1' (weight 0 = log only)"""
     # ---- algorithm ----
     algo: Literal["starpo", "starpo-s"] = "starpo-s"
     """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
@@ -273,10 +278,54 @@ RUBRIC = [
 ]
 
 
-def score(s: Sample) -> tuple[float, dict[str, float]]:
-    """Total reward = sum of weight * component; also returns each component's unweighted value for logging."""
-    parts = {fn.__name__: float(fn(s)) for fn, _ in RUBRIC}
-    total = sum(w * parts[fn.__name__] for fn, w in RUBRIC)
+# ---- WORKSHOP variants (WORKSHOP.md exercises 2 and 3; chosen with --rubric). Deliberately flawed ones first. ----
+FORMAT_RE_NO_DOTALL = re.compile(FORMAT_RE.pattern)  # the DOTALL trap: '.' stops at "\n", so "<think>\n..." never matches
+
+
+def format_reward_no_dotall(s: Sample) -> float:
+    """BROKEN on purpose: FORMAT_RE without re.DOTALL, so any reply whose thinking spans lines scores 0."""
+    return 1.0 if FORMAT_RE_NO_DOTALL.fullmatch(s.text) else 0.0
+
+
+def think_bonus(s: Sample) -> float:
+    """FARMABLE on purpose: +1 per 100 characters of thinking, whatever the answer."""
+    return len(s.think or "") / 100
+
+
+def think_bonus_gated(s: Sample) -> float:
+    """The fix: the thinking bonus counts only when the answer is valid, and stops growing at 100 characters."""
+    return min(len(s.think or ""), 100) / 100 if s.info["action_is_valid"] else 0.0
+
+
+RUBRICS = {
+    "default": RUBRIC,
+    "no-dotall": [(env_reward, 1.0), (format_reward_no_dotall, 0.1), (invalid_answer_penalty, 0.1)],
+    "think-bonus": RUBRIC + [(think_bonus, 0.5)],
+    "think-bonus-gated": RUBRIC + [(think_bonus_gated, 0.5)],
+}
+# ---- end of WORKSHOP variants ----
+
+
+def select_rubric(name: str, weights: str) -> list:
+    """RUBRICS[name] with --rubric-weights applied ('format_reward=1,env_reward=0'). Raises ValueError on a bad spec."""
+    rubric = list(RUBRIC if name == "default" else RUBRICS[name])
+    for item in filter(None, (x.strip() for x in weights.split(","))):
+        key, eq, value = item.partition("=")
+        names = [fn.__name__ for fn, _ in rubric]
+        if not eq or key.strip() not in names:
+            raise ValueError(f"expected NAME=WEIGHT with NAME one of {', '.join(names)}; got {item!r}")
+        w = float(value)  # ValueError if not a number
+        if not math.isfinite(w):
+            raise ValueError(f"weight of {key.strip()} must be finite, got {value!r}")
+        rubric = [(fn, w if fn.__name__ == key.strip() else old) for fn, old in rubric]
+    return rubric
+
+
+def score(s: Sample, rubric: Optional[list] = None) -> tuple[float, dict[str, float]]:
+    """Total reward = sum of weight * component (default: RUBRIC); also returns each unweighted component for logging."""
+    rubric = RUBRIC if rubric is None else rubric
+    parts = {fn.__name__: float(fn(s)) for fn, _ in rubric}
+    total = sum(w * parts[fn.__name__] for fn, w in rubric)
     return total, parts
 
 
@@ -452,7 +501,8 @@ def rollout_record(t: Trajectory, step: int, split: str) -> dict:
                 turns=[turn])
 
 
-def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, max_prompt_len: int) -> list[Trajectory]:
+def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, max_prompt_len: int,
+            rubric: Optional[list] = None) -> list[Trajectory]:
     """One episode per seed: reset, prompt, sample a reply, parse, step, score.
 
     A prompt longer than max_prompt_len (= --max-model-len - --max-tokens) gets no reply: the episode ends as an
@@ -475,7 +525,7 @@ def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: floa
         think, answer = parse_reply(text)
         _, reward, _, info = env.step(answer if answer is not None else "")
         sample = Sample(text=text, think=think, answer=answer, env_reward=reward, info=info)
-        total, parts = score(sample)
+        total, parts = score(sample, rubric)
         trajs.append(Trajectory(seed, p_ids, r_ids, r_logps, sample, total, parts, state,
                                 truncated=bool(r_ids) and r_ids[-1] not in stops, overflow=len(p_ids) > max_prompt_len))
     return trajs
@@ -670,6 +720,10 @@ def resolve_args(args: Args):
     for flag, ok, msg in checks:
         if not ok:
             common.fail(flag, msg)
+    try:
+        select_rubric(args.rubric, args.rubric_weights)
+    except ValueError as e:
+        common.fail("--rubric-weights", str(e))
     resume_from = common.prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
     return args, device, model, backend, resume_from
 
@@ -689,7 +743,8 @@ def tiny_warmup_examples(pairs: list[tuple[str, str]], n: int = 1000, seed: int 
         a, b = rng.sample(rng.choice(pairs), 2)
         pick = rng.choice([a, b])
         think = " ".join(rng.sample(thoughts, rng.randint(1, 2))).strip()
-        examples.append((make_messages(BANDIT_PROMPT.format(a=a, b=b)), f"<think> {think} </think> <answer> {pick} </answer>"))
+        # thinking on its own lines, as Qwen writes it (which is what makes WORKSHOP.md's DOTALL trap bite)
+        examples.append((make_messages(BANDIT_PROMPT.format(a=a, b=b)), f"<think>\n{think}\n</think> <answer> {pick} </answer>"))
     return examples
 
 
@@ -697,7 +752,8 @@ def evaluate(generate, tok, args: Args) -> tuple[dict, list[Trajectory]]:
     seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
     env_kwargs = dict(low_name=args.val_low_arm_name, high_name=args.val_high_arm_name, low_reward=args.low_arm_reward,
                       high_reward=args.high_arm_reward, high_prob=args.high_arm_prob)
-    trajs = rollout(generate, tok, seeds, env_kwargs, args.val_temperature, args.max_model_len - args.max_tokens)
+    trajs = rollout(generate, tok, seeds, env_kwargs, args.val_temperature, args.max_model_len - args.max_tokens,
+                    select_rubric(args.rubric, args.rubric_weights))
     return {
         "val/success": statistics.mean(t.sample.info["success"] for t in trajs),
         "val/reward": statistics.mean(t.score for t in trajs),
@@ -795,6 +851,8 @@ def main(argv=None):
 
     env_kwargs = dict(low_name=args.low_arm_name, high_name=args.high_arm_name, low_reward=args.low_arm_reward,
                       high_reward=args.high_arm_reward, high_prob=args.high_arm_prob)
+    rubric = select_rubric(args.rubric, args.rubric_weights)
+    tqdm.write("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
     metrics_file = common.Metrics(out_dir / "metrics.jsonl")
     rollouts_file = common.Metrics(out_dir / "rollouts.jsonl")
     stop = common.GracefulStop()
@@ -812,7 +870,8 @@ def main(argv=None):
         # ---- rollout: n_groups fresh seeds, each shared by group_size rollouts --------------------------------------
         G, n = args.n_groups, args.group_size
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
-        trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature, args.max_model_len - args.max_tokens)
+        trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature,
+                        args.max_model_len - args.max_tokens, rubric)
         t_gen, t_env = gen_seconds[0], time.time() - t0 - gen_seconds[0]
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
 
