@@ -1,0 +1,1360 @@
+"""StarPO and StarPO-S on RAGEN's Sokoban, in one file.
+
+Each episode is a small Sokoban room (6x6, one box: RAGEN's SimpleSokoban). Every turn the agent sees the grid,
+thinks inside <think>...</think> and answers one to five moves inside <answer>...</answer>, separated by "||"
+(e.g. <answer> Up || Left </answer>); the moves are played, and the reward and the new grid come back in the next
+user message. At most 5 turns and 10 moves per episode. Pushes cannot be undone, so one bad push can lose the room.
+Success = every box on a target. Rewards (RAGEN's): -0.1 per move, +1 when a box lands on a target, -1 when one
+leaves it, +10 when the room is solved; a turn whose answer had a word that is not a move (or no move) is penalised
+(RAGEN: -0.1; here -1, see "departs" below).
+
+StarPO (RAGEN, arXiv 2504.20073) treats the whole multi-turn interaction as one trajectory: a single growing token
+sequence (prompt, reply, feedback, reply, ...) in which only the model's own tokens are trained, with PPO (critic +
+GAE) or GRPO. StarPO-S, the default here, adds three stabilisers: keep only the 25% of groups whose rewards disagree
+most (uncertainty filtering), drop the KL term, and clip asymmetrically (0.2 / 0.28) plus a dual clip of 3 for
+negative advantages.
+
+Run it:
+    python starpo_sokoban.py                                     # CPU: embedded tiny model (200 steps; see bench/)
+    python starpo_sokoban.py --model Qwen/Qwen2.5-0.5B-Instruct  # GPU: vLLM generation, RAGEN's defaults
+    python starpo_sokoban.py --size 8 --num-boxes 2              # LargerSokoban
+    python starpo_sokoban.py --resume --output-dir runs/...      # continue a stopped run from its last checkpoint
+Outputs in --output-dir: metrics.jsonl (one line per step), rollouts.jsonl (evaluation trajectories, and one
+training trajectory per group every --log-rollouts-every steps), report.html (curves and a turn-by-turn viewer),
+config.json and checkpoints/step-N/ (policy/ loads with from_pretrained).
+
+Alongside val/success every evaluation logs three reference points for the same rooms: val/random_success (a
+uniformly random mover with the same 10-move budget, by simulation: about 23%), val/optimal_success (the share a
+breadth-first-search solver solves within the budget: about 99.7%) and val/optimal_length/mean.
+
+Reward scale and the uncertainty filter: Sokoban's trajectory rewards span roughly -2 (ten wasted moves, a box
+pushed off its target) to +11 (solved in one move), lower still with broken turns (-1 each), while the bandit and
+FrozenLake span 0 to 1.
+The filter ranks groups by the raw in-group std, so here it is dominated by the +10 solve bonus: a group where some
+rollouts solved the room and some did not has std around 5, one where nobody (or everybody) solved it has std
+below 0.5 from step counts alone. In effect StarPO-S trains on the groups with mixed success; the step penalty and
+format penalty only break ties. Scaling all rewards by a constant would not change which groups are kept (nor GRPO's
+normalised advantages), but it does change the critic's targets, hence GAE. `train/reward_min` and
+`train/reward_max` log the range actually seen.
+
+How it departs from the paper / RAGEN:
+  * Rooms follow RAGEN's SimpleSokoban generator (gym-sokoban's random-walk topology and reverse-play search) but
+    are drawn with Python's random.Random(seed), so a room is a pure function of its seed; the random player steps
+    after generation only walk (never push), so every room stays solvable.
+  * The grid is shown with a space between cells ("# _ P _ #"), so every cell is one token (the tiny model's
+    tokenizer: "#", " _", " P", ...; a byte-level BPE would otherwise merge runs like "__" into one token).
+    By default (--positions) a line under the grid also names the player's, boxes' and targets' row and column.
+  * The format penalty weighs 1.0 (a broken turn costs -1), not RAGEN's 0.1: see format_penalty's docstring.
+  * `--model tiny` (the CPU default) is a 0.9M-parameter Qwen2-architecture model built and format-warmed on first
+    use (uniformly random valid moves only, never solver moves, so the task itself is learned by RL); it uses
+    CPU-sized defaults, printed at start. Paper defaults apply to any other model.
+  * The rubric (env reward + format penalty) is explicit and logged per component.
+
+Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
+in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
+when (a) the mean in-group std over the last 3 steps falls below 10% of its best earlier value (from step 8), or
+(b) the gradient norm exceeds 5x the median of the previous 10 steps. (a) also fires when the policy has simply
+converged (every rollout of a group solves its room): check `val/success` to tell the two apart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+import common
+from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
+from report import build_report, read_jsonl
+
+
+@dataclass
+class Args:
+    # ---- run ----
+    seed: int = 0
+    """random seed (training seeds, sampling, shuffling)"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, rollouts.jsonl, config.json and checkpoints go (default: a new runs/sokoban-... folder)"""
+    resume: bool = False
+    """continue the run in --output-dir from its newest complete checkpoint"""
+    overwrite: bool = False
+    """replace the run already in --output-dir"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available"""
+    # ---- model and generation ----
+    model: str = "auto"
+    """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
+    max_tokens: Optional[int] = None
+    """max new tokens per turn (paper 400; tiny 32)"""
+    max_model_len: int = 3600
+    """longest sequence (prompt + all turns) the model may see"""
+    temperature: float = 1.0
+    """sampling temperature for training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling for training rollouts"""
+    val_temperature: float = 0.5
+    """sampling temperature for evaluation"""
+    gen_batch_size: int = 256
+    """hf backend: replies generated per generate() call"""
+    vllm_gpu_memory_utilization: float = 0.4
+    """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
+    # ---- environment ----
+    size: int = 6
+    """room side, walls included (6 = SimpleSokoban, 8 = LargerSokoban)"""
+    num_boxes: int = 1
+    """boxes (and targets) per room (1 = SimpleSokoban, 2 = LargerSokoban)"""
+    search_depth: int = 300
+    """depth of the reverse-play search that places the boxes"""
+    positions: bool = True
+    """write the player's, boxes' and targets' coordinates under the grid (--no-positions: RAGEN's grid only)"""
+    max_turns: int = 5
+    """turns (replies) per episode"""
+    max_actions_per_turn: int = 5
+    """moves executed per reply; more are dropped"""
+    max_actions_per_traj: int = 10
+    """moves per episode; moves beyond the remaining budget are dropped"""
+    max_context_turns: Optional[int] = None
+    """show the model only the first prompt plus the last k turns (each turn becomes its own training row); default: the full history"""
+    # ---- algorithm ----
+    algo: Literal["starpo", "starpo-s"] = "starpo-s"
+    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
+    estimator: Literal["gae", "grpo"] = "gae"
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward"""
+    n_groups: Optional[int] = None
+    """groups (distinct initial rooms) per step (paper 8; tiny 8)"""
+    group_size: Optional[int] = None
+    """rollouts per group, all from the same seed (paper 16; tiny 8)"""
+    keep_ratio: Optional[float] = None
+    """uncertainty filter: fraction of groups kept (starpo 1.0, starpo-s 0.25)"""
+    filter_mode: Literal["std", "std_rev"] = "std"
+    """keep the highest-std groups (std) or, as an ablation, the lowest (std_rev)"""
+    kl_coef: Optional[float] = None
+    """weight of the KL-to-reference loss (starpo 0.001, starpo-s 0)"""
+    kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
+    """KL estimator"""
+    clip_low: float = 0.2
+    """PPO clip below 1"""
+    clip_high: Optional[float] = None
+    """PPO clip above 1 (starpo 0.2, starpo-s 0.28)"""
+    dual_clip: Optional[float] = None
+    """cap on the loss of negative-advantage tokens, > 1 (starpo off, starpo-s 3.0); 0 turns it off"""
+    entropy_coef: float = 0.001
+    """entropy bonus weight"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses are reduced"""
+    norm_adv_by_std: bool = True
+    """grpo: divide by the group std (off = Dr. GRPO)"""
+    gamma: float = 1.0
+    """gae discount"""
+    lam: float = 1.0
+    """gae lambda"""
+    turn_rewards: bool = True
+    """gae: each turn's reward on that turn's last sampled token; --no-turn-rewards: the trajectory reward on the final one"""
+    value_clip: float = 0.5
+    """critic value clip"""
+    # ---- optimisation ----
+    steps: Optional[int] = None
+    """training steps (paper 200; tiny 200)"""
+    lr: Optional[float] = None
+    """actor learning rate (paper 1e-6; tiny 1e-4)"""
+    critic_lr: Optional[float] = None
+    """critic learning rate (paper 1e-5; tiny 1e-3)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    grad_clip: float = 1.0
+    """gradient-norm clip"""
+    ppo_epochs: int = 1
+    """passes over each batch"""
+    mini_batch_size: int = 32
+    """training rows (trajectories, or turns with --max-context-turns) per optimizer step"""
+    micro_batch_size: int = 32
+    """training rows per forward/backward (gradient accumulation; lower it if memory runs out)"""
+    # ---- evaluation and logging ----
+    eval_every: int = 10
+    """evaluate every N steps (and before training); 0 = only before and after"""
+    val_size: Optional[int] = None
+    """evaluation rooms (paper 256; tiny 256)"""
+    save_every: int = 25
+    """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    max_skipped: int = 3
+    """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
+    mask_truncated: bool = False
+    """do not train on trajectories with a reply cut at --max-tokens (their reward still counts in the group statistics)"""
+    trust_remote_code: bool = False
+    """allow a Hugging Face model to run its own Python code (off: only the transformers library's code runs)"""
+    sample_every: int = 10
+    """print one rollout with its rubric breakdown every N steps (0 = never)"""
+    log_rollouts_every: int = 10
+    """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
+
+
+PAPER_DEFAULTS = dict(max_tokens=400, n_groups=8, group_size=16, steps=200, lr=1e-6, critic_lr=1e-5, val_size=256)
+# The tiny model learns from scratch-sized steps: far larger learning rates, short replies.
+TINY_DEFAULTS = dict(max_tokens=32, n_groups=8, group_size=8, steps=200, lr=1e-4, critic_lr=1e-3, val_size=256)
+# Multi-turn transcripts are ~3x longer than the bandit's prompts (up to ~900 tokens), so the warm-up uses a smaller
+# batch and a narrower model; even so the build takes a few minutes on 2 CPU cores (once; then it is cached).
+TINY_BUILD = dict(sft_steps=300, sft_batch_size=8, hidden_size=128)
+# A 1M-parameter model cannot reason in words: one short fixed thought keeps its replies short and their format
+# robust (varied filler thoughts got mixed into broken replies), and puts the answer at a fixed distance from the grid.
+TINY_THOUGHT = "I push the box to the target."
+QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+########################################################################################################################
+# ENVIRONMENT
+########################################################################################################################
+
+ACTIONS = {"Up": (-1, 0), "Down": (1, 0), "Left": (0, -1), "Right": (0, 1)}  # name -> (row, column) step
+DIRECTIONS = list(ACTIONS.values())
+# gym-sokoban's floor stamps: the walker stamps one of these 3x3 masks (1 = floor) around each cell it visits.
+MASKS = [((0, 0, 0), (1, 1, 1), (0, 0, 0)), ((0, 1, 0), (0, 1, 0), (0, 1, 0)), ((0, 0, 0), (1, 1, 0), (0, 1, 0)),
+         ((0, 0, 0), (1, 1, 0), (1, 1, 0)), ((0, 0, 0), (0, 1, 1), (0, 1, 0))]
+SYMBOLS = dict(wall="#", floor="_", target="O", box="X", box_on_target="√", player="P", player_on_target="S")
+
+
+def carve_room(rng: random.Random, size: int, num_steps: int, p_change_direction: float = 0.35) -> set:
+    """Floor cells (row, col) of a random-walk room (gym-sokoban's room_topology_generation); the border is wall."""
+    floor = set()
+    direction = rng.choice(DIRECTIONS)
+    r, c = rng.randint(1, size - 1), rng.randint(1, size - 1)
+    for _ in range(num_steps):
+        if rng.random() < p_change_direction:
+            direction = rng.choice(DIRECTIONS)
+        r, c = max(min(r + direction[0], size - 2), 1), max(min(c + direction[1], size - 2), 1)
+        mask = rng.choice(MASKS)
+        floor |= {(r - 1 + i, c - 1 + j) for i in range(3) for j in range(3) if mask[i][j]}
+    return {(r, c) for r, c in floor if 0 < r < size - 1 and 0 < c < size - 1}
+
+
+def reverse_play(floor: set, targets: list, player: tuple, search_depth: int, max_states: int = 300_000):
+    """Pull the boxes away from their targets (gym-sokoban's reverse playing); return (score, player, boxes).
+
+    A depth-first search over pull/walk moves starting with every box on its target. Any state reached by pulls
+    can be solved by pushing the boxes back along the same path, so the room is solvable by construction. The state
+    with the highest score = (number of pulls on the path) * (total Manhattan displacement of the boxes) is kept
+    (gym-sokoban counts "box swaps" with a bug that makes it count every pull; we keep its behaviour). The search
+    is bounded like gym-sokoban's: depth `search_depth`, at most `max_states` distinct states, each visited once.
+    """
+    best = [-1, player, tuple(targets)]
+    seen = set()
+
+    def dfs(player, boxes, pulls, ttl):  # boxes[i] started on targets[i]
+        ttl -= 1
+        if ttl <= 0 or len(seen) >= max_states or (player, boxes) in seen:
+            return
+        seen.add((player, boxes))
+        displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+        if pulls * displacement > best[0]:
+            best[:] = [pulls * displacement, player, boxes]
+        for pull in (True, False):  # gym-sokoban's order: the four pull moves, then the four plain walks
+            for dr, dc in DIRECTIONS:
+                nxt, behind = (player[0] + dr, player[1] + dc), (player[0] - dr, player[1] - dc)
+                if nxt not in floor or nxt in boxes:
+                    continue
+                if pull and behind in boxes:  # the player steps away and drags the box behind it along
+                    dfs(nxt, tuple(player if b == behind else b for b in boxes), pulls + 1, ttl)
+                else:
+                    dfs(nxt, boxes, pulls, ttl)
+
+    dfs(player, tuple(targets), 0, search_depth)
+    return best
+
+
+class SokobanEnv:
+    """RAGEN's Sokoban: a room is a pure function of the reset seed; one step = one move word."""
+
+    def __init__(self, size: int = 6, num_boxes: int = 1, search_depth: int = 300, positions: bool = True,
+                 max_tries: int = 1000):
+        self.size, self.num_boxes, self.search_depth, self.max_tries = size, num_boxes, search_depth, max_tries
+        self.positions = positions  # add a line of coordinates under the grid
+        self.shape = (size, size)  # rows, columns (walls included)
+        self.floor: set = set()  # every non-wall cell (row, col)
+        self.targets: frozenset = frozenset()
+        self.boxes: frozenset = frozenset()
+        self.player: tuple = (0, 0)
+
+    def reset(self, seed: int) -> str:
+        rng = random.Random(seed)
+        for _ in range(self.max_tries):  # gym-sokoban retries rooms whose reverse play moved no box
+            floor = carve_room(rng, self.size, int(1.7 * (self.size + self.size)))
+            cells = sorted(floor)  # sorted: set order must not leak into the draw
+            if len(cells) <= self.num_boxes + 1:
+                continue
+            player = rng.choice(cells)
+            targets = rng.sample([cell for cell in cells if cell != player], self.num_boxes)
+            score, player, boxes = reverse_play(floor, targets, player, self.search_depth)
+            if score > 0:
+                break
+        else:
+            raise RuntimeError(f"no room with a displaced box after {self.max_tries} tries (seed {seed})")
+        # RAGEN moves the player 1-3 random steps half of the time, so it does not always start next to the box.
+        # Walking only (a step into a box or wall is skipped) keeps the room solvable.
+        if rng.random() < 0.5:
+            for _ in range(rng.randint(1, 3)):
+                free = [(player[0] + dr, player[1] + dc) for dr, dc in DIRECTIONS]
+                free = [cell for cell in free if cell in floor and cell not in boxes]
+                if free:
+                    player = rng.choice(free)
+        self.floor, self.targets, self.boxes, self.player = floor, frozenset(targets), frozenset(boxes), player
+        self.shape = (self.size, self.size)
+        return self.observation()
+
+    def load(self, grid: str) -> str:
+        """Set the room from a rendered grid (one row per line, cells optionally space-separated): hand-built rooms."""
+        rows = [line.replace(" ", "") for line in grid.strip().splitlines()]
+        self.shape = (len(rows), max(len(line) for line in rows))
+        self.floor, targets, boxes, players = set(), set(), set(), []
+        for r, line in enumerate(rows):
+            for c, ch in enumerate(line):
+                if ch != SYMBOLS["wall"]:
+                    self.floor.add((r, c))
+                if ch in "O√S":
+                    targets.add((r, c))
+                if ch in "X√":
+                    boxes.add((r, c))
+                if ch in "PS":
+                    players.append((r, c))
+        assert len(players) == 1 and len(boxes) == len(targets) >= 1, "a room needs one player and as many boxes as targets"
+        self.targets, self.boxes, self.player, self.num_boxes = frozenset(targets), frozenset(boxes), players[0], len(boxes)
+        return self.observation()
+
+    def render(self) -> str:
+        def cell(rc):
+            if rc not in self.floor:
+                return SYMBOLS["wall"]
+            if rc == self.player:
+                return SYMBOLS["player_on_target"] if rc in self.targets else SYMBOLS["player"]
+            if rc in self.boxes:
+                return SYMBOLS["box_on_target"] if rc in self.targets else SYMBOLS["box"]
+            return SYMBOLS["target"] if rc in self.targets else SYMBOLS["floor"]
+
+        return "\n".join(" ".join(cell((r, c)) for c in range(self.shape[1])) for r in range(self.shape[0]))
+
+    def observation(self) -> str:
+        """What the agent sees: the grid, and (positions=True) where the player, boxes and targets are.
+
+        The coordinates repeat what the grid shows. A model reads a cell's symbol easily but has to work out its
+        row and column by counting tokens; the tiny model never learned that (its move choices stayed at chance
+        even under supervised training), while with the coordinates it did.
+        """
+        if not self.positions:
+            return self.render()
+        where = lambda cells: " and ".join(f"row {r}, column {c}" for r, c in sorted(cells))  # noqa: E731
+        boxes, targets = ("Boxes", "Targets") if len(self.boxes) > 1 else ("Box", "Target")
+        return (self.render() + f"\nPlayer at {where([self.player])}. {boxes} at {where(self.boxes)}. "
+                f"{targets} at {where(self.targets)}.")
+
+    def solved(self) -> bool:
+        return self.boxes == self.targets
+
+    def step(self, action: str):
+        name = next((a for a in ACTIONS if a.lower() == action.strip().lower()), None)
+        if name is None:  # not a move: nothing happens, nothing is paid
+            info = {"success": self.solved(), "action_is_valid": False, "action_is_effective": False}
+            return self.observation(), 0.0, self.solved(), info
+        on_before = len(self.boxes & self.targets)
+        self.player, self.boxes, moved = push(self.floor, self.player, self.boxes, ACTIONS[name])
+        on_after = len(self.boxes & self.targets)
+        reward = -0.1 + (on_after - on_before)  # -0.1 per move, +1 per box onto a target, -1 per box off one
+        if self.solved():
+            reward += 10.0
+        info = {"success": self.solved(), "action_is_valid": True, "action_is_effective": moved}
+        return self.observation(), reward, self.solved(), info
+
+
+def push(floor: set, player: tuple, boxes: frozenset, step: tuple) -> tuple[tuple, frozenset, bool]:
+    """One move: walk, or push the box ahead if the cell beyond it is free floor. Returns (player, boxes, moved)."""
+    nxt = (player[0] + step[0], player[1] + step[1])
+    if nxt not in floor:
+        return player, boxes, False  # a wall
+    if nxt in boxes:
+        beyond = (nxt[0] + step[0], nxt[1] + step[1])
+        if beyond not in floor or beyond in boxes:
+            return player, boxes, False  # a box against a wall or another box does not move
+        boxes = (boxes - {nxt}) | {beyond}
+    return nxt, boxes, True
+
+
+def solve(env: SokobanEnv, max_depth: int = 100, max_states: int = 2_000_000) -> Optional[list[str]]:
+    """Shortest move sequence that solves env's current room (breadth-first search), or None within the limits."""
+    start = (env.player, env.boxes)
+    if env.boxes == env.targets:
+        return []
+    parent = {start: None}
+    queue = deque([(start, 0)])
+    while queue and len(parent) < max_states:
+        state, depth = queue.popleft()
+        if depth >= max_depth:
+            continue
+        for name, step in ACTIONS.items():
+            player, boxes, moved = push(env.floor, state[0], state[1], step)
+            if not moved or (player, boxes) in parent:
+                continue
+            parent[(player, boxes)] = (state, name)
+            if boxes == env.targets:
+                path, s = [], (player, boxes)
+                while parent[s] is not None:
+                    s, move = parent[s]
+                    path.append(move)
+                return path[::-1]
+            queue.append(((player, boxes), depth + 1))
+    return None
+
+
+def random_success(env_kwargs: dict, seed: int, budget: int, rollouts: int, rng: random.Random) -> float:
+    """Share of `rollouts` uniformly random move sequences (at most `budget` moves) that solve the room of `seed`."""
+    env = SokobanEnv(**env_kwargs)
+    env.reset(seed)
+    start, wins = (env.player, env.boxes), 0
+    for _ in range(rollouts):
+        player, boxes = start
+        for _ in range(budget):
+            player, boxes, _ = push(env.floor, player, boxes, rng.choice(DIRECTIONS))
+            if boxes == env.targets:
+                wins += 1
+                break
+    return wins / rollouts
+
+
+########################################################################################################################
+# RUBRIC — edit me. Each function scores one turn; the trajectory score is the weighted sum over all its turns.
+########################################################################################################################
+
+
+@dataclass
+class Turn:
+    """One turn of a rollout, as the rubric sees it (plus what the printout needs)."""
+
+    state: str  # the grid shown before this turn
+    text: str  # the raw reply, exactly as generated (stop tokens removed)
+    think: Optional[str]  # inside <think>...</think>, None if not well formed
+    answer: Optional[str]  # inside <answer>...</answer>, None if missing, repeated or unclosed
+    actions: list  # the moves actually played this turn
+    had_invalid: bool  # the answer had a word that is not a move, or no move at all
+    env_reward: float  # what the environment paid for this turn's moves
+    infos: list  # the environment's info for each move played
+    parts: dict = field(default_factory=dict)  # rubric components (unweighted)
+    reward: float = 0.0  # weighted sum of the components
+
+
+def env_reward(t: Turn) -> float:
+    """Sokoban's own reward for the turn's moves: -0.1 per move, +1 / -1 box onto / off a target, +10 solved."""
+    return t.env_reward
+
+
+def format_penalty(t: Turn) -> float:
+    """-1 when the answer had a word that is not a move, or no move at all (weight 0.1 would give RAGEN's -0.1).
+
+    We weigh it 1.0: with RAGEN's -0.1 a broken answer costs no more than one move and less than several, so in a
+    group where nobody solves the room, answering nonsense (which plays no move) scores best, and GRPO's
+    normalisation turns that small difference into a full-size advantage: the tiny model's format collapsed within
+    ten steps. At -1 a broken turn costs more than any legal one.
+    """
+    return -1.0 if t.had_invalid else 0.0
+
+
+FORMAT_RE = re.compile(
+    r"\s*<think>(?:(?!</?think>|</?answer>).)*</think>\s*<answer>(?:(?!</?think>|</?answer>).)*</answer>\s*",
+    re.DOTALL,  # without DOTALL, '.' stops at newlines and multi-line thinking would never match
+)
+
+
+def format_reward(t: Turn) -> float:
+    """1 if the reply is exactly one <think>...</think> then one <answer>...</answer> (whitespace around), else 0."""
+    return 1.0 if FORMAT_RE.fullmatch(t.text) else 0.0
+
+
+# (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
+RUBRIC = [
+    (env_reward, 1.0),
+    (format_penalty, 1.0),
+    (format_reward, 0.0),
+]
+
+
+def score_turn(t: Turn) -> tuple[float, dict[str, float]]:
+    """Turn reward = sum of weight * component; also returns each component's unweighted value for logging."""
+    parts = {fn.__name__: float(fn(t)) for fn, _ in RUBRIC}
+    total = sum(w * parts[fn.__name__] for fn, w in RUBRIC)
+    return total, parts
+
+
+########################################################################################################################
+# PROMPT AND PARSING
+########################################################################################################################
+
+SYSTEM_PROMPT = "You're a helpful assistant. You always think before you answer."
+FORMAT_PROMPT = "Always output: <think> [your thoughts] </think> <answer> [your answer] </answer> with no extra text."
+RULES = (
+    "You are solving the Sokoban puzzle. Push every box onto a target. You can push a box but not pull it, "
+    "and a box against a wall or another box does not move.\n"
+    "Symbols: # wall, _ floor, O target, X box, √ box on target, P player, S player on target. "
+    "Rows count down and columns count right from 0 at the top-left corner.\n"
+    "Actions: Up, Down, Left, Right. Walking into a box pushes it one cell.\n"
+    "You may give up to {per_turn} moves per turn, separated by ||, e.g. <answer> Up || Left </answer>; "
+    "at most {per_traj} moves in all."
+)
+
+
+def state_message(turn: int, grid: str, actions_left: int) -> str:
+    return f"Turn {turn}:\nState:\n{grid}\nYou have {actions_left} actions left. {FORMAT_PROMPT}"
+
+
+def first_messages(grid: str, args: Args) -> list[dict]:
+    """System + turn 1: the rules, legend, legal moves, budget and separator, then the first state."""
+    rules = RULES.format(per_turn=args.max_actions_per_turn, per_traj=args.max_actions_per_traj)
+    return [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": rules + "\n" + state_message(1, grid, args.max_actions_per_traj)}]
+
+
+def feedback_message(reward: float, turn: int, grid: str, actions_left: int) -> str:
+    """The next user message: last turn's reward, the new grid, the moves left and the format instruction."""
+    return f"Reward: {reward:.1f}\n" + state_message(turn, grid, actions_left)
+
+
+def _between(text: str, tag: str) -> Optional[str]:
+    """Content of the single <tag>...</tag> in text; None if the tag is missing, repeated, nested or unclosed."""
+    open_tag, close_tag = f"<{tag}>", f"</{tag}>"
+    if text.count(open_tag) != 1 or text.count(close_tag) != 1:
+        return None
+    start, end = text.index(open_tag) + len(open_tag), text.index(close_tag)
+    return text[start:end].strip() if start <= end else None
+
+
+def parse_reply(text: str) -> tuple[Optional[str], Optional[str]]:
+    """(think, answer) from a reply. Never raises, never evaluates anything: plain string search only."""
+    return _between(text, "think"), _between(text, "answer")
+
+
+def parse_actions(answer: Optional[str], max_actions: int) -> tuple[list[str], bool]:
+    """Moves in an answer ("Up || left"): canonical names, at most max_actions; flag = any invalid word or none at all.
+
+    Words are split on "||" and matched case-insensitively; a word that is not a move (an empty one included) is
+    dropped and sets the flag, as does an answer with no move in it (RAGEN's rules).
+    """
+    if answer is None:
+        return [], True
+    lookup = {name.lower(): name for name in ACTIONS}
+    words = [w.strip().lower() for w in answer.split("||")]
+    actions = [lookup[w] for w in words if w in lookup]
+    return actions[:max_actions], len(actions) < len(words) or not actions
+
+
+########################################################################################################################
+# GENERATION — hf (transformers' generate, CPU or fallback) and vllm (in-process engine on a GPU)
+########################################################################################################################
+
+
+def stop_token_ids(tok) -> list[int]:
+    """Token ids that end a reply: Qwen's <|im_end|> and <|endoftext|>, plus the tokenizer's eos."""
+    ids = {tok.eos_token_id} | {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()}
+    return sorted(i for i in ids if i is not None)
+
+
+def cut_at_stop(ids: list[int], logps: list[float], stops: list[int]) -> tuple[list[int], list[float]]:
+    """Keep tokens up to and including the first stop token (the model emitted it, so it is trained too)."""
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[: i + 1], logps[: i + 1]
+    return ids, logps
+
+
+def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p. z: (B, V) logits."""
+    if top_p >= 1.0:
+        return z
+    sorted_z, order = z.sort(dim=-1, descending=True)  # (B, V)
+    probs = sorted_z.softmax(-1)  # (B, V)
+    drop = probs.cumsum(-1) - probs > top_p  # (B, V): the mass before this token already reached top_p
+    return z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
+
+
+@torch.no_grad()
+def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size):
+    """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
+
+    Same rules as vLLM here: temperature, top-p, no top-k, no penalties. Why not model.generate? Members of a
+    group share their prompt, so we prefill each distinct prompt once and copy its KV cache to the group: the
+    prompt is most of the compute on a CPU (the bandit's 8 x 8 batch has 8 distinct prompts). The log-probs are
+    those of the tempered distribution, which is what the update pass recomputes.
+    """
+    from transformers import DynamicCache
+
+    stops = torch.tensor(stop_token_ids(tok))
+    device = next(model.parameters()).device
+    results = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        distinct = list(dict.fromkeys(tuple(p) for p in chunk))
+        row = torch.tensor([distinct.index(tuple(p)) for p in chunk], device=device)  # (b,): chunk row -> distinct prompt
+        width = max(len(p) for p in distinct)
+        input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
+        attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
+        for j, p in enumerate(distinct):
+            input_ids[j, width - len(p) :] = torch.tensor(p)
+            attn[j, width - len(p) :] = 1
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P): left padding must not shift positions
+        cache = DynamicCache()
+        out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
+        logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, P), (b, 1)
+        tokens, logps = [], []
+        done = torch.zeros(len(chunk), dtype=torch.bool, device=device)  # (b,)
+        for _ in range(max_tokens):
+            logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (b, V)
+            nxt = torch.multinomial(top_p_filter(logp_all, top_p).exp(), 1).squeeze(-1)  # (b,)
+            nxt = nxt.masked_fill(done, tok.pad_token_id)  # finished rows only pad
+            tokens.append(nxt)
+            logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
+            done |= torch.isin(nxt, stops.to(device))
+            if done.all():
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, P + t)
+            pos = pos + 1
+            out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]  # (b, V)
+        new, new_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (b, R)
+        results += [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
+    return results
+
+
+def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
+    """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
+    return dict(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.max_model_len,
+                enable_prefix_caching=True, trust_remote_code=False,
+                logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
+                generation_config="vllm")  # ignore the checkpoint's sampling defaults and extra eos ids
+
+
+def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stops: list[int]) -> dict:
+    """Keyword arguments for vllm.SamplingParams: same semantics as hf_generate (no top-k, no penalties)."""
+    return dict(n=1, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, stop_token_ids=stops,
+                logprobs=0, skip_special_tokens=False)
+
+
+def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
+    from vllm import SamplingParams
+
+    stops = stop_token_ids(tok)
+    params = SamplingParams(**vllm_sampling_kwargs(temperature, top_p, max_tokens, stops))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        logps = [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else [0.0] * len(ids)
+        if c.finish_reason == "stop" and ids and ids[-1] not in stops and c.stop_reason in stops:
+            ids, logps = ids + [c.stop_reason], logps + [0.0]  # keep the stop token in the trained sequence
+        results.append(cut_at_stop(ids, logps, stops))
+    return results
+
+
+def vllm_push_weights(llm, model) -> None:
+    """Copy the freshly updated policy into vLLM's copy, then drop prefixes cached under the old weights."""
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    runner.load_weights((name, p.detach()) for name, p in model.state_dict().items())
+    llm.reset_prefix_cache()
+
+
+########################################################################################################################
+# ROLLOUT (multi-turn)
+########################################################################################################################
+
+
+@dataclass
+class Trajectory:
+    """One episode as ONE growing token sequence: first prompt, then per turn the sampled reply and the feedback.
+
+    ids[:first_len] is the chat-formatted first prompt; mask is 1 exactly on the sampled reply tokens; gen_logprobs
+    holds their generation-time log-probs (0 elsewhere); turn_start[j] / turn_last_index[j] are the index of turn j's
+    first / last sampled token.
+    """
+
+    seed: int
+    first_len: int
+    ids: list
+    mask: list
+    gen_logprobs: list
+    turn_start: list = field(default_factory=list)
+    turn_last_index: list = field(default_factory=list)
+    turn_prompt_start: list = field(default_factory=list)  # where turn j's context resumes after the first prompt
+    turns: list = field(default_factory=list)  # Turn records
+    success: bool = False
+    context_overflow: bool = False  # the next turn could not fit under --max-model-len: the episode ended early
+    truncated: bool = False  # some reply hit --max-tokens before its end-of-turn token
+    num_actions: int = 0
+    score: float = 0.0
+    parts: dict = field(default_factory=dict)  # rubric components summed over turns
+
+
+def rollout_record(t: Trajectory, step: int, split: str) -> dict:
+    """One line of rollouts.jsonl: the trajectory turn by turn, for the report viewer."""
+    turns = [dict(state=turn.state, text=turn.text, think=turn.think, answer=turn.answer, reward=turn.env_reward,
+                  rubric=turn.parts, actions=turn.actions) for turn in t.turns]
+    return dict(step=step, split=split, task="sokoban", seed=t.seed, success=bool(t.success), reward=t.score, turns=turns)
+
+
+def context_ids(t: Trajectory, k: Optional[int]) -> tuple[list[int], int]:
+    """The prompt for the next turn and where its history resumes in t.ids: everything, or first prompt + last k turns."""
+    n = len(t.turns)
+    if k is None or n <= k:
+        return list(t.ids), t.first_len  # a copy: t.ids keeps growing after the prompt is handed out
+    resume = t.turn_start[n - k]
+    return t.ids[: t.first_len] + t.ids[resume:], resume
+
+
+def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, args: Args) -> list[Trajectory]:
+    """One episode per seed, all generated together: ONE batched generate call per turn for every active episode."""
+    envs = [SokobanEnv(**env_kwargs) for _ in seeds]
+    trajs = []
+    for env, seed in zip(envs, seeds):
+        text = tok.apply_chat_template(first_messages(env.reset(seed), args), add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        trajs.append(Trajectory(seed, len(ids), list(ids), [0] * len(ids), [0.0] * len(ids)))
+    stops = set(stop_token_ids(tok))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    active = [i for i, t in enumerate(trajs) if len(t.ids) + args.max_tokens <= args.max_model_len]
+    for i in set(range(len(trajs))) - set(active):
+        trajs[i].context_overflow = True
+    for turn_no in range(1, args.max_turns + 1):
+        if not active:
+            break
+        contexts = [context_ids(trajs[i], args.max_context_turns) for i in active]
+        replies = generate([c for c, _ in contexts], temperature)
+        still_active = []
+        for i, (_, resume), (r_ids, r_logps) in zip(active, contexts, replies):
+            t, env = trajs[i], envs[i]
+            state = env.observation()
+            text = tok.decode([x for x in r_ids if x not in stops], skip_special_tokens=False)
+            think, answer = parse_reply(text)
+            actions, had_invalid = parse_actions(answer, args.max_actions_per_turn)
+            actions = actions[: args.max_actions_per_traj - t.num_actions]  # the episode's remaining budget
+            reward, played, infos, done = 0.0, [], [], False
+            for a in actions:
+                _, r, done, info = env.step(a)
+                reward, t.num_actions = reward + r, t.num_actions + 1
+                played.append(a)
+                infos.append(info)
+                if done:
+                    break  # moves after the room is solved are not played
+            # the exact sampled tokens, trained; a reply cut at max_tokens gets a NON-trained <|im_end|>
+            t.turn_prompt_start.append(resume)
+            t.turn_start.append(len(t.ids))
+            t.ids += r_ids
+            t.mask += [1] * len(r_ids)
+            t.gen_logprobs += r_logps
+            t.turn_last_index.append(len(t.ids) - 1)
+            if not r_ids or r_ids[-1] != im_end:
+                t.ids, t.mask, t.gen_logprobs = t.ids + [im_end], t.mask + [0], t.gen_logprobs + [0.0]
+            t.truncated = t.truncated or (bool(r_ids) and r_ids[-1] not in stops)
+            record = Turn(state, text, think, answer, played, had_invalid, reward, infos)
+            record.reward, record.parts = score_turn(record)
+            t.turns.append(record)
+            t.success = env.solved()
+            left = args.max_actions_per_traj - t.num_actions
+            if done or left <= 0 or turn_no == args.max_turns:
+                continue  # episode over: no observation after the final turn
+            obs = feedback_message(reward, turn_no + 1, env.observation(), left)
+            obs_ids = tok("\n<|im_start|>user\n" + obs + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+            next_len = len(context_ids(t, args.max_context_turns)[0]) + len(obs_ids)  # the next turn's prompt
+            if next_len + args.max_tokens > args.max_model_len:
+                t.context_overflow = True  # the next turn could not fit: the episode ends here
+                continue
+            t.ids += obs_ids
+            t.mask += [0] * len(obs_ids)
+            t.gen_logprobs += [0.0] * len(obs_ids)
+            still_active.append(i)
+        active = still_active
+    for t in trajs:
+        t.score = sum(turn.reward for turn in t.turns)
+        t.parts = {fn.__name__: sum(turn.parts[fn.__name__] for turn in t.turns) for fn, _ in RUBRIC}
+    return trajs
+
+
+@dataclass
+class Row:
+    """One training row: token ids with the trained mask and generation log-probs, and its turns' last indices."""
+
+    traj: int  # index of its trajectory in the step's batch
+    ids: list
+    mask: list
+    gen_logprobs: list
+    last_index: list  # index in ids of each turn's last sampled token (one per turn the row holds)
+    turn_ids: list  # which turns of the trajectory those are
+
+
+def training_rows(trajs: list[Trajectory], k: Optional[int]) -> list[Row]:
+    """Full history: one row per trajectory. --max-context-turns k: one row per turn, its context exactly as generated."""
+    rows = []
+    for n, t in enumerate(trajs):
+        if k is None or not t.turns:  # (no turns: the first prompt overflowed; a row with nothing to train)
+            rows.append(Row(n, t.ids, t.mask, t.gen_logprobs, list(t.turn_last_index), list(range(len(t.turns)))))
+            continue
+        for j in range(len(t.turns)):
+            start, end = t.turn_start[j], t.turn_last_index[j] + 1  # this turn's sampled reply
+            prefix = list(range(t.first_len)) + list(range(t.turn_prompt_start[j], start))  # the context it was sampled in
+            idx = prefix + list(range(start, end))
+            rows.append(Row(n, [t.ids[i] for i in idx], [0] * len(prefix) + t.mask[start:end],
+                            [0.0] * len(prefix) + t.gen_logprobs[start:end], [len(idx) - 1], [j]))
+    return rows
+
+
+def place_rewards(rows: list[Row], trajs: list[Trajectory], width: int, turn_rewards: bool) -> torch.Tensor:
+    """GAE's token rewards (rows, width): zeros, and each turn's reward on that turn's last sampled token.
+
+    --no-turn-rewards puts the whole trajectory score on the final sampled token instead. A row that holds one turn
+    (--max-context-turns) gets the Monte-Carlo return-to-go (gamma = 1) of the turn rewards from its turn on, since
+    the turns after it live in other rows. Column t of the result scores token t + 1 of the row.
+    """
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        t = trajs[r.traj]
+        turn_r = [turn.reward for turn in t.turns]
+        if not turn_rewards:
+            turn_r = [0.0] * (len(turn_r) - 1) + [t.score]
+        whole = len(r.turn_ids) == len(t.turns)  # a full-history row
+        for last, j in zip(r.last_index, r.turn_ids):
+            out[i, last - 1] = turn_r[j] if whole else sum(turn_r[j:])
+    return out
+
+
+def collate(rows: list[Row], pad_id: int, device) -> dict:
+    """Rows right-padded to T. Column t of the (B, T - 1) loss tensors scores ids[t + 1] given ids[: t + 1]:
+
+        input_ids (B, T):      [p p p r r o o r r pad]
+        mask      (B, T):      [0 0 0 1 1 0 0 1 1 0  ]      1 = sampled by the model
+        loss_mask (B, T - 1):    [0 0 1 1 0 0 1 1 0  ]  = mask[:, 1:]
+    """
+    T = max(len(r.ids) for r in rows)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T))
+    gen_logprobs = torch.zeros((B, T))
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r.ids)] = torch.tensor(r.ids)
+        attn[i, : len(r.ids)] = 1
+        mask[i, : len(r.ids)] = torch.tensor(r.mask, dtype=torch.float)
+        gen_logprobs[i, : len(r.ids)] = torch.tensor(r.gen_logprobs)
+    first_trained = torch.tensor([r.mask.index(1) if 1 in r.mask else len(r.ids) - 1 for r in rows])
+    batch = dict(input_ids=input_ids, attention_mask=attn, loss_mask=mask[:, 1:], gen_logprobs=gen_logprobs[:, 1:],
+                 length=torch.tensor([len(r.ids) for r in rows]), first_trained=first_trained)
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def micro_view(batch: dict, idx: torch.Tensor) -> dict:
+    """Rows idx of the batch, columns trimmed: up to their longest row, from just before their first trained token.
+
+    Only loss columns c0 .. T'-2 (the tokens the model sampled, and what lies between them) go through the LM head:
+    with a 150k vocabulary the logits of the prompt would otherwise dominate memory.
+    """
+    T1 = int(batch["length"][idx].max())  # longest row among idx
+    c0 = max(int(batch["first_trained"][idx].min()) - 1, 0)  # first loss column needed
+    view = {k: batch[k][idx, :T1] for k in ("input_ids", "attention_mask")}
+    view.update({k: batch[k][idx, c0 : T1 - 1] for k in ("loss_mask", "gen_logprobs")})
+    view.update(labels=batch["input_ids"][idx, c0 + 1 : T1], c0=c0, c1=T1 - 1, idx=idx)
+    return view
+
+
+########################################################################################################################
+# UPDATE — policy, critic and the forward passes they share
+########################################################################################################################
+
+
+class Critic(nn.Module):
+    """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
+
+    def __init__(self, path: str, dtype, trust_remote_code: bool = False):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.head = nn.Linear(self.body.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)  # start at V = 0: advantages begin as plain returns
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, mb: dict) -> torch.Tensor:
+        h = self.body(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).last_hidden_state  # (b, T', H)
+        h = h[:, mb["c0"] : mb["c1"]]  # (b, t, H): the state just before each scored token
+        return self.head(h.float()).squeeze(-1)  # (b, t)
+
+
+def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of tokens c0+1 .. T'-1 given everything before them (right padding: no position shift)."""
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["input_ids"].shape[1] - mb["c0"])
+    logits = out.logits[:, :-1].float() / temperature  # (b, t, V): position c0 + s predicts token c0 + s + 1
+    logp = common.token_logprobs(logits, mb["labels"], 1.0)  # (b, t)
+    entropy = common.entropy_from_logits(logits)  # (b, t)
+    return logp, entropy
+
+
+def micro_batches(n: int, size: int, generator=None):
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
+########################################################################################################################
+# MAIN
+########################################################################################################################
+
+
+def resolve_args(args: Args):
+    """Check every flag and fill the derived defaults. Runs before any model loads; bad input exits with one line."""
+    if args.resume:  # continue with the saved settings; a flag given now (other than its default) still wins
+        if not args.output_dir:
+            common.fail("--resume", "needs --output-dir, the folder of the run to continue")
+        saved_path = Path(args.output_dir) / "config.json"
+        if not saved_path.exists():
+            common.fail("--resume", f"no config.json in {args.output_dir}: nothing to resume")
+        saved, defaults = json.loads(saved_path.read_text()), Args()
+        for f in fields(Args):
+            if f.name in saved and f.name not in ("resume", "overwrite") and getattr(args, f.name) == getattr(defaults, f.name):
+                setattr(args, f.name, saved[f.name])
+    if args.device == "cuda" and not torch.cuda.is_available():
+        common.fail("--device", "cuda requested but no CUDA device is visible")
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    model = args.model if args.model != "auto" else (QWEN if device == "cuda" else "tiny")
+    if model != "tiny" and not common.model_is_reachable(model):
+        common.fail("--model", f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
+                               f"(offline?); use --model tiny for the embedded model")
+    backend = args.backend
+    if backend in ("auto", "vllm"):
+        try:
+            import vllm  # noqa: F401
+
+            has_vllm = device == "cuda"
+        except Exception:
+            has_vllm = False
+        if backend == "vllm" and not has_vllm:
+            common.fail("--backend", "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf")
+        backend = "vllm" if has_vllm else "hf"
+    defaults = TINY_DEFAULTS if model == "tiny" else PAPER_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    s = args.algo == "starpo-s"
+    args.keep_ratio = args.keep_ratio if args.keep_ratio is not None else (0.25 if s else 1.0)
+    args.kl_coef = args.kl_coef if args.kl_coef is not None else (0.0 if s else 0.001)
+    args.clip_high = args.clip_high if args.clip_high is not None else (0.28 if s else 0.2)
+    args.dual_clip = args.dual_clip if args.dual_clip is not None else (3.0 if s else 0.0)
+    args.output_dir = args.output_dir or f"runs/sokoban-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    checks = [
+        ("--group-size", args.group_size >= 2 or args.estimator != "grpo", "must be >= 2 with --estimator grpo (a group of one has no baseline)"),
+        ("--group-size", args.group_size >= 1, "must be >= 1"),
+        ("--n-groups", args.n_groups >= 1, "must be >= 1"),
+        ("--keep-ratio", 0 < args.keep_ratio <= 1, f"must be in (0, 1], got {args.keep_ratio}"),
+        ("--dual-clip", args.dual_clip == 0 or args.dual_clip > 1, f"must be > 1 (or 0 = off), got {args.dual_clip}"),
+        ("--clip-low", 0 <= args.clip_low < 1, f"must be in [0, 1), got {args.clip_low}"),
+        ("--clip-high", args.clip_high >= 0, f"must be >= 0, got {args.clip_high}"),
+        ("--kl-coef", args.kl_coef >= 0, f"must be >= 0, got {args.kl_coef}"),
+        ("--temperature", args.temperature > 0, "must be > 0"),
+        ("--val-temperature", args.val_temperature > 0, "must be > 0"),
+        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
+        ("--lr", args.lr > 0, "must be > 0"),
+        ("--critic-lr", args.critic_lr > 0, "must be > 0"),
+        ("--steps", args.steps >= 0, "must be >= 0"),
+        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
+        ("--max-tokens", args.max_tokens < args.max_model_len, "must be < --max-model-len"),
+        ("--val-size", args.val_size >= 1, "must be >= 1"),
+        ("--ppo-epochs", args.ppo_epochs >= 1, "must be >= 1"),
+        ("--mini-batch-size", args.mini_batch_size >= 1, "must be >= 1"),
+        ("--micro-batch-size", args.micro_batch_size >= 1, "must be >= 1"),
+        ("--gen-batch-size", args.gen_batch_size >= 1, "must be >= 1"),
+        ("--eval-every", args.eval_every >= 0, "must be >= 0"),
+        ("--save-every", args.save_every >= 0, "must be >= 0"),
+        ("--keep-checkpoints", args.keep_checkpoints >= 1, "must be >= 1"),
+        ("--max-skipped", args.max_skipped >= 1, "must be >= 1"),
+        ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
+        ("--size", args.size >= 4, "must be >= 4 (walls all round, at least a 2x2 inside)"),
+        ("--num-boxes", 1 <= args.num_boxes <= (args.size - 2) ** 2 // 4, f"must be in [1, {(args.size - 2) ** 2 // 4}] for --size {args.size}"),
+        ("--search-depth", args.search_depth >= 2, "must be >= 2"),
+        ("--max-turns", args.max_turns >= 1, "must be >= 1"),
+        ("--max-actions-per-turn", args.max_actions_per_turn >= 1, "must be >= 1"),
+        ("--max-actions-per-traj", args.max_actions_per_traj >= 1, "must be >= 1"),
+        ("--max-context-turns", args.max_context_turns is None or args.max_context_turns >= 1, "must be >= 1 (the last turn holds the current state)"),
+        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
+    ]
+    for flag, ok, msg in checks:
+        if not ok:
+            common.fail(flag, msg)
+    resume_from = common.prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
+    return args, device, model, backend, resume_from
+
+
+def env_kwargs_of(args: Args) -> dict:
+    return dict(size=args.size, num_boxes=args.num_boxes, search_depth=args.search_depth, positions=args.positions)
+
+
+def tiny_warmup_examples(args: Args, episodes: int = 400, seed: int = 0) -> list[tuple[list[dict], str]]:
+    """Format-correct transcripts with uniformly random valid moves: the tiny model learns the format only.
+
+    Real episodes on rooms the run never trains or evaluates on, played with 1..max_actions_per_turn uniformly
+    random moves per turn; every turn gives one (chat messages so far, reply) pair, built from exactly the messages
+    the rollout produces. Never solver moves: which move is good is left to RL.
+    """
+    rng = random.Random(seed)
+    names = list(ACTIONS)
+    examples = []
+    for e in range(episodes):
+        env = SokobanEnv(**env_kwargs_of(args))
+        messages = first_messages(env.reset(5 * 10**8 + e), args)
+        left = args.max_actions_per_traj
+        for turn_no in range(1, args.max_turns + 1):
+            moves = [rng.choice(names) for _ in range(min(rng.randint(1, args.max_actions_per_turn), left))]
+            reply = f"<think> {TINY_THOUGHT} </think> <answer> {' || '.join(moves)} </answer>"
+            examples.append((list(messages), reply))
+            reward, done = 0.0, False
+            for m in moves:
+                _, r, done, _ = env.step(m)
+                reward, left = reward + r, left - 1
+                if done:
+                    break
+            if done or left <= 0:
+                break
+            messages = messages + [{"role": "assistant", "content": reply},
+                                   {"role": "user", "content": feedback_message(reward, turn_no + 1, env.observation(), left)}]
+    return examples
+
+
+def room_baselines(args: Args, seeds: list[int], random_rollouts: int = 200) -> dict:
+    """Reference points for the evaluation rooms: random mover (simulated), BFS solver within the budget."""
+    env_kwargs, budget = env_kwargs_of(args), args.max_actions_per_traj
+    rng = random.Random(0)
+    lengths = []
+    env = SokobanEnv(**env_kwargs)
+    for seed in seeds:
+        env.reset(seed)
+        path = solve(env)
+        lengths.append(len(path) if path is not None else None)
+    solved = [n for n in lengths if n is not None]
+    return {
+        "val/random_success": statistics.mean(random_success(env_kwargs, s, budget, random_rollouts, rng) for s in seeds),
+        "val/optimal_success": statistics.mean(n is not None and n <= budget for n in lengths),
+        "val/optimal_length/mean": statistics.mean(solved) if solved else float("nan"),
+    }
+
+
+def evaluate(generate, tok, args: Args, baselines: dict) -> tuple[dict, list[Trajectory]]:
+    seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
+    trajs = rollout(generate, tok, seeds, env_kwargs_of(args), args.val_temperature, args)
+    turns = [turn for t in trajs for turn in t.turns]
+    return {
+        "val/success": statistics.mean(t.success for t in trajs),
+        "val/reward": statistics.mean(t.score for t in trajs),
+        "val/action_is_valid": statistics.mean(not turn.had_invalid for turn in turns) if turns else 0.0,
+        "val/num_actions": statistics.mean(t.num_actions for t in trajs),
+        **baselines,
+    }, trajs
+
+
+def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
+    """The rule in the module docstring: std collapse, or a gradient-norm spike."""
+    out = []
+    stds = [h["rollout/in_group_std"] for h in history]
+    if len(stds) >= 8 and "std" not in warned:
+        best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
+        if best > 0 and recent < 0.1 * best:
+            warned.add("std")
+            out.append(f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success")
+    norms = [h["actor/grad_norm"] for h in history if math.isfinite(h.get("actor/grad_norm", float("nan")))]
+    if len(norms) >= 6:
+        med = statistics.median(norms[-11:-1])
+        if med > 0 and norms[-1] > 5 * med:
+            out.append(f"gradient norm spiked to {norms[-1]:.3g} (median of the last 10: {med:.3g}): a collapse marker")
+    return out
+
+
+def print_sample(step: int, t: Trajectory) -> None:
+    tqdm.write(f"--- step {step} sample (seed {t.seed}): score {t.score:+.2f} success {t.success} "
+               + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items()))
+    for j, turn in enumerate(t.turns, 1):
+        tqdm.write(f"  turn {j}: " + turn.state.replace("\n", " / "))
+        tqdm.write(f"    reply {turn.text[:200]!r} -> played {turn.actions} reward {turn.reward:+.2f}")
+
+
+def main(argv=None):
+    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, description=__doc__.split("\n")[0]))
+    common.seed_everything(args.seed)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
+    model_path = model_name
+    if model_name == "tiny":
+        model_path = str(common.build_tiny_model("sokoban", tiny_warmup_examples(args), **TINY_BUILD))
+    tqdm.write(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  estimator: {args.estimator}")
+    if model_name == "tiny":
+        tqdm.write("tiny model: CPU-sized defaults " + ", ".join(f"{k}={getattr(args, k)}" for k in TINY_DEFAULTS))
+    if resume_from is None:
+        (out_dir / "config.json").write_text(json.dumps(dict(asdict(args), task="sokoban", model_path=model_path, device=device, backend=backend), indent=1))
+    # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
+    policy_path = str(resume_from / "policy") if resume_from else model_path
+    remote = args.trust_remote_code
+
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    llm = None
+    if backend == "vllm":  # build the engine before the optimizer state takes GPU memory
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        llm = LLM(**vllm_engine_kwargs(args, policy_path))
+    dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
+    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, trust_remote_code=remote).to(device)
+    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=remote).to(device).eval() if args.kl_coef > 0 else None
+    critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+    shuffle_gen = torch.Generator().manual_seed(args.seed)
+    start_step, history, warned, skipped_in_a_row = 1, [], set(), 0
+    if resume_from is not None:
+        state = common.load_checkpoint_state(resume_from)
+        opt.load_state_dict(state["opt"])
+        if critic is not None:
+            critic.load_state_dict(state["critic"])
+            critic_opt.load_state_dict(state["critic_opt"])
+        common.set_rng_state(state["rng"], shuffle_gen)
+        start_step, history, warned, skipped_in_a_row = state["step"] + 1, state["history"], set(state["warned"]), state["skipped_in_a_row"]
+        for name in ("metrics.jsonl", "rollouts.jsonl"):  # steps after the checkpoint will be run again
+            common.truncate_jsonl(out_dir / name, state["step"])
+        tqdm.write(f"resumed from {resume_from} at step {state['step']}")
+
+    def checkpoint(step: int) -> Path:
+        state = dict(step=step, opt=opt.state_dict(), rng=common.rng_state(shuffle_gen), history=history,
+                     warned=sorted(warned), skipped_in_a_row=skipped_in_a_row)
+        if critic is not None:
+            state.update(critic=critic.state_dict(), critic_opt=critic_opt.state_dict())
+        return common.save_checkpoint(out_dir, step, policy, tok, state, args.keep_checkpoints)
+
+    gen_seconds = [0.0]  # generation time, accumulated by the closure below (the rest of a rollout is the env)
+
+    def generate(prompts, temperature):
+        t = time.time()
+        policy.eval()
+        if llm is not None:
+            out = vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
+        else:
+            with autocast:
+                out = hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
+        gen_seconds[0] += time.time() - t
+        return out
+
+    env_kwargs = env_kwargs_of(args)
+    metrics_file = common.Metrics(out_dir / "metrics.jsonl")
+    rollouts_file = common.Metrics(out_dir / "rollouts.jsonl")
+    stop = common.GracefulStop()
+    t_start = time.time()
+    # The evaluation rooms are fixed, so their random and optimal success are computed once (solver + simulation).
+    baselines = room_baselines(args, [10**9 + i for i in range(args.val_size)])
+    tqdm.write("evaluation rooms: " + "  ".join(f"{k} {v:.3f}" for k, v in baselines.items()))
+    if resume_from is None:
+        val, val_trajs = evaluate(generate, tok, args, baselines)
+        for t in val_trajs[:64]:
+            rollouts_file.write(rollout_record(t, 0, "val"))
+        metrics_file.write({"step": 0, **val, "time_s": time.time() - t_start, "timestamp": time.time()})
+        tqdm.write(f"step 0  val/success {val['val/success']:.3f}  val/reward {val['val/reward']:.3f}")
+        build_report(out_dir)  # report.html: rewritten at every evaluation and at the end
+    bar = tqdm(range(start_step, args.steps + 1), desc="starpo-sokoban", dynamic_ncols=True, initial=start_step - 1, total=args.steps)
+    for step in bar:
+        t0, gen_seconds[0] = time.time(), 0.0
+        # ---- rollout: n_groups fresh seeds, each shared by group_size rollouts --------------------------------------
+        G, n = args.n_groups, args.group_size
+        group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
+        trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature, args)
+        t_gen, t_env = gen_seconds[0], time.time() - t0 - gen_seconds[0]
+        scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
+
+        # ---- uncertainty filter: train only on the groups whose rewards disagree most -------------------------------
+        group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
+        kept = filter_groups(scores, args.keep_ratio, args.filter_mode)  # (K,)
+        kept_trajs = [trajs[g * n + j] for g in kept.tolist() for j in range(n)]  # K * n trajectories
+        rows = training_rows(kept_trajs, args.max_context_turns)  # one per trajectory, or one per turn
+        batch = collate(rows, tok.pad_token_id, device)
+        N, T1 = batch["loss_mask"].shape
+        truncated = torch.tensor([kept_trajs[r.traj].truncated for r in rows], device=device)  # (N,)
+        mask = batch["loss_mask"] * (~truncated if args.mask_truncated else torch.ones_like(truncated))[:, None]  # (N, T - 1)
+
+        # ---- old log-probs, reference log-probs, values (no grad) ---------------------------------------------------
+        # The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we
+        # reuse those log-probs; vLLM's kernels and bf16 differ slightly, so there we recompute them, as veRL does.
+        t1 = time.time()
+        old_logp = batch["gen_logprobs"].clone()  # (N, T - 1)
+        ref_logp, old_values = torch.zeros(N, T1, device=device), torch.zeros(N, T1, device=device)  # (N, T - 1) each
+        policy.eval()
+        with torch.no_grad(), autocast:
+            for idx in micro_batches(N, args.micro_batch_size):
+                mb = micro_view(batch, idx)
+                cols = slice(mb["c0"], mb["c1"])
+                if llm is not None:
+                    old_logp[idx, cols] = policy_forward(policy, mb, args.temperature)[0]
+                if ref is not None:
+                    ref_logp[idx, cols] = policy_forward(ref, mb, args.temperature)[0]
+                if critic is not None:
+                    old_values[idx, cols] = critic(mb).float()
+        t_logprob = time.time() - t1
+
+        # ---- advantages -----------------------------------------------------------------------------------------
+        kept_scores = scores[kept]  # (K, n)
+        row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
+        if args.estimator == "grpo":
+            adv_traj = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
+            advantages = adv_traj[row_traj][:, None] * mask  # (N, T - 1): the trajectory's value on every sampled token
+            returns = None
+        else:
+            token_rewards = place_rewards(rows, kept_trajs, T1, args.turn_rewards).to(device)  # (N, T - 1)
+            advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, mask)
+
+        # ---- PPO update --------------------------------------------------------------------------------------------
+        t2 = time.time()
+        policy.train()
+        stats: dict[str, list] = {}
+        skipped = 0
+        for _ in range(args.ppo_epochs):
+            for mini in micro_batches(N, args.mini_batch_size, shuffle_gen):
+                opt.zero_grad(set_to_none=True)
+                if critic_opt:
+                    critic_opt.zero_grad(set_to_none=True)
+                mini_mask, finite = mask[mini], True
+                for idx in micro_batches(len(mini), args.micro_batch_size):
+                    mb = micro_view(batch, mini[idx])
+                    i, cols = mb["idx"], slice(mb["c0"], mb["c1"])
+                    m = mask[i, cols]  # (b, t)
+                    w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # micro-batches add up to the mini-batch loss
+                    with autocast:
+                        logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, t) each
+                    pg, pg_stats = policy_loss(logp, old_logp[i, cols], advantages[i, cols], m, args.clip_low,
+                                               args.clip_high, args.dual_clip or None, args.loss_agg)
+                    ent = agg_loss(entropy, m, args.loss_agg)
+                    loss = pg - args.entropy_coef * ent
+                    if ref is not None:
+                        kl = agg_loss(kl_penalty(logp, ref_logp[i, cols], args.kl_kind), m, args.loss_agg)
+                        loss = loss + args.kl_coef * kl
+                        pg_stats["kl_loss"] = kl.item()
+                    if critic is not None:
+                        with autocast:
+                            values = critic(mb)  # (b, t)
+                        vf, vf_stats = value_loss(values, old_values[i, cols], returns[i, cols], m, args.value_clip, args.loss_agg)
+                        loss = loss + vf  # separate parameters and optimizers: one backward serves both
+                        pg_stats.update(vf_stats)
+                    finite = finite and bool(torch.isfinite(loss))
+                    if finite:
+                        (loss * w).backward()
+                    pg_stats["entropy"] = ent.item()
+                    for k, v in pg_stats.items():
+                        stats.setdefault(k, []).append(v)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
+                if critic is not None:
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                if finite and math.isfinite(grad_norm):
+                    stats.setdefault("grad_norm", []).append(grad_norm)
+                    opt.step()
+                    if critic_opt:
+                        critic_opt.step()
+                else:  # one NaN/inf would poison the weights and the Adam state: skip this update entirely
+                    skipped += 1
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+        if llm is not None:
+            vllm_push_weights(llm, policy)
+        t_update = time.time() - t2
+
+        # ---- log -------------------------------------------------------------------------------------------------
+        turns = [turn for t in trajs for turn in t.turns]
+        played = [info for turn in turns for info in turn.infos]
+        record = {
+            "step": step,
+            "train/success": statistics.mean(t.success for t in trajs),
+            "train/reward": statistics.mean(t.score for t in trajs),
+            "train/reward_min": min(t.score for t in trajs),  # Sokoban's scale: about -2 .. +11 (see the docstring)
+            "train/reward_max": max(t.score for t in trajs),
+            "train/action_is_valid": statistics.mean(not turn.had_invalid for turn in turns) if turns else 0.0,
+            "train/action_is_effective": statistics.mean(i["action_is_effective"] for i in played) if played else 0.0,
+            "train/num_actions": statistics.mean(t.num_actions for t in trajs),
+            "train/num_turns": statistics.mean(len(t.turns) for t in trajs),
+            "train/context_overflow": sum(t.context_overflow for t in trajs),
+            "rollout/in_group_std": group_std.mean().item(),
+            "rollout/chosen_in_group_std": group_std[kept].mean().item(),
+            "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
+            "rollout/kept_groups": len(kept),
+            "rollout/rows": N,
+            "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
+            "response_length/mean": statistics.mean(sum(t.mask) for t in trajs),
+            "think_length/mean": statistics.mean(len(turn.think or "") for turn in turns) if turns else 0.0,
+            "sequence_length/mean": statistics.mean(len(t.ids) for t in trajs),
+            **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
+            **{("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()},
+            "actor/skipped_updates": skipped,
+            "timing_s/gen": t_gen,
+            "timing_s/env": t_env,
+            "timing_s/logprob": t_logprob,
+            "timing_s/update": t_update,
+        }
+        if critic is not None:
+            ret, val_old = returns[mask.bool()], old_values[mask.bool()]
+            record["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
+        history.append({k: v for k, v in record.items() if k in ("rollout/in_group_std", "actor/grad_norm")})
+        if skipped:
+            tqdm.write(f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient ({skipped_in_a_row} step(s) in a row)")
+        for w_msg in echo_trap_warnings(history, warned):
+            tqdm.write(f"[echo-trap warning, step {step}] {w_msg}")
+            record["warn/echo_trap"] = 1
+        if args.sample_every and step % args.sample_every == 0:
+            print_sample(step, trajs[0])
+        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+            te = time.time()
+            val, val_trajs = evaluate(generate, tok, args, baselines)
+            record.update(val, **{"timing_s/eval": time.time() - te})
+            for t in val_trajs[:64]:
+                rollouts_file.write(rollout_record(t, step, "val"))
+        if args.log_rollouts_every and step % args.log_rollouts_every == 0:
+            for t in trajs[::n]:
+                rollouts_file.write(rollout_record(t, step, "train"))
+        record["timing_s/step"] = time.time() - t0
+        record["time_s"], record["timestamp"] = time.time() - t_start, time.time()
+        metrics_file.write(record)
+        if "val/success" in record:
+            build_report(out_dir)
+        bar.set_postfix({"succ": f"{record['train/success']:.2f}", "val": f"{record.get('val/success', float('nan')):.2f}",
+                         "std": f"{record['rollout/in_group_std']:.3f}", "ent": f"{record.get('actor/entropy', 0):.2f}"})
+        if skipped_in_a_row >= args.max_skipped:
+            last = common.latest_checkpoint(out_dir)
+            common.fail("--max-skipped", f"{skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
+                                         f"without saving. Last good checkpoint: {last or 'none'}")
+        if step == args.steps or (args.save_every and step % args.save_every == 0) or stop.requested:
+            path = checkpoint(step)
+            if stop.requested and step < args.steps:
+                tqdm.write(f"stopped by {stop.requested} after step {step}; checkpoint {path}. Continue with: "
+                           f"python starpo_sokoban.py --resume --output-dir {out_dir}")
+                raise SystemExit(130 if stop.requested == "SIGINT" else 143)
+    metrics_file.close()
+    rollouts_file.close()
+    evals = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "val/success" in r]
+    tqdm.write(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val/success {evals[-1]['val/success']:.3f} "
+               f"(random {baselines['val/random_success']:.3f}, optimal {baselines['val/optimal_success']:.3f}); "
+               f"policy: {common.latest_checkpoint(out_dir) / 'policy'}; report: {build_report(out_dir)}")
+
+
+if __name__ == "__main__":
+    main()
