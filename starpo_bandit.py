@@ -438,7 +438,7 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
     """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
     return dict(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.max_model_len,
-                enable_prefix_caching=True, trust_remote_code=False,
+                enable_prefix_caching=True, trust_remote_code=args.trust_remote_code,
                 logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
                 generation_config="vllm")  # ignore the checkpoint's sampling defaults and extra eos ids
 
@@ -1036,8 +1036,9 @@ def main(argv=None):
     metrics_file.close()
     rollouts_file.close()
     evals = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "val/success" in r]
+    last = common.latest_checkpoint(out_dir)  # none when --steps 0
     tqdm.write(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val/success {evals[-1]['val/success']:.3f}; "
-               f"policy: {common.latest_checkpoint(out_dir) / 'policy'}; report: {build_report(out_dir)}")
+               f"policy: {last / 'policy' if last else 'none saved'}; report: {build_report(out_dir)}")
 
 
 if __name__ == "__main__":

@@ -534,7 +534,7 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
     """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
     return dict(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.max_model_len,
-                enable_prefix_caching=True, trust_remote_code=False,
+                enable_prefix_caching=True, trust_remote_code=args.trust_remote_code,
                 logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
                 generation_config="vllm")  # ignore the checkpoint's sampling defaults and extra eos ids
 

@@ -342,3 +342,10 @@ def test_learns_the_bandit(tmp_path):
     rows = read_metrics(tmp_path)
     assert rows[0]["val/success"] < 0.75  # it starts indifferent: the warm-up did not teach the task
     assert rows[-1]["val/success"] >= 0.9, [row.get("val/success") for row in rows]
+
+
+def test_zero_steps_evaluates_once_and_exits_cleanly(tmp_path):
+    proc = run_script("--model", "tiny", "--steps", "0", "--val-size", "4", "--output-dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert "none saved" in proc.stdout + proc.stderr
+    assert [json.loads(line)["step"] for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()] == [0]
