@@ -61,7 +61,7 @@ import random
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -908,6 +908,11 @@ def tiny_warmup_examples(args: Args, n: int = 600, seed: int = 0) -> list[tuple[
     1 to 5) keeps replies short, uses the whole 10-move budget in 5 turns, and leaves room to react to slips:
     the best agent that answers two moves a turn scores almost what the closed-loop optimum does.
     """
+    # Always the default episode budget, whatever this run's flags: one cached tiny model then serves every budget
+    # (e.g. WORKSHOP.md's --max-actions-per-turn 1); it learns the format, and RL adapts it to the rules it is shown.
+    d = Args()
+    args = replace(args, max_turns=d.max_turns, max_actions_per_turn=d.max_actions_per_turn,
+                   max_actions_per_traj=d.max_actions_per_traj)
     rng = random.Random(seed)
     thoughts = ["I move.", "Next move.", "Let me move."]  # a few words: long thoughts would only cost time here
     budget = args.max_actions_per_traj

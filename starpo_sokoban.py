@@ -67,7 +67,7 @@ import re
 import statistics
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -1011,6 +1011,11 @@ def tiny_warmup_examples(args: Args, episodes: int = 400, seed: int = 0) -> list
     random moves per turn; every turn gives one (chat messages so far, reply) pair, built from exactly the messages
     the rollout produces. Never solver moves: which move is good is left to RL.
     """
+    # Always the default episode budget, whatever this run's flags: one cached tiny model then serves every budget
+    # (e.g. WORKSHOP.md's --max-actions-per-turn 1); it learns the format, and RL adapts it to the rules it is shown.
+    d = Args()
+    args = replace(args, max_turns=d.max_turns, max_actions_per_turn=d.max_actions_per_turn,
+                   max_actions_per_traj=d.max_actions_per_traj)
     rng = random.Random(seed)
     names = list(ACTIONS)
     examples = []
