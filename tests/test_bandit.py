@@ -349,3 +349,25 @@ def test_zero_steps_evaluates_once_and_exits_cleanly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-1000:]
     assert "none saved" in proc.stdout + proc.stderr
     assert [json.loads(line)["step"] for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()] == [0]
+
+
+def test_append_in_place_cache_matches_transformers_dynamic_cache(tiny):
+    """hf_generate's cache (in-place appends into a doubling buffer) gives the same logits as DynamicCache, across a
+    prefill, a batch_select_indices (group expansion) and many single-token steps that force the buffer to grow."""
+    from transformers import DynamicCache
+
+    model, _ = tiny
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, model.config.vocab_size, (2, 7), generator=gen)
+    steps = torch.randint(5, model.config.vocab_size, (3, 20), generator=gen)
+    outs = []
+    for cache in (DynamicCache(), sb.append_in_place_cache()):
+        with torch.no_grad():
+            logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits]
+            cache.batch_select_indices(torch.tensor([0, 1, 1]))
+            for t in range(steps.shape[1]):  # 7 + 20 tokens: the 14-slot buffer doubles on the way
+                logits.append(model(input_ids=steps[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        outs.append(logits)
+        assert cache.get_seq_length() == 27
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
