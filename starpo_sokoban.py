@@ -1332,7 +1332,7 @@ def main(argv=None):
             "rollout/chosen_in_group_std": group_std[kept].mean().item(),
             "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
             "rollout/kept_groups": len(kept),
-            "rollout/rows": N,
+            "rollout/trained_rows": N,
             "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
             "response_length/mean": statistics.mean(sum(t.mask) for t in trajs),
             "think_length/mean": statistics.mean(len(turn.think or "") for turn in turns) if turns else 0.0,

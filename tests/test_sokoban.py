@@ -529,7 +529,7 @@ def test_smoke_two_steps(flags, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows_ = check_run(tmp_path, r.stdout + r.stderr, gae="grpo" not in flags)
     if "--max-context-turns" in flags:  # one training row per turn
-        assert rows_[1]["rollout/rows"] >= 2
+        assert rows_[1]["rollout/trained_rows"] >= 2
 
 
 def test_resume_continues_without_repeating_steps(smoke_run, tmp_path):
