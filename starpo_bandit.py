@@ -308,7 +308,7 @@ RUBRICS = {
 
 def select_rubric(name: str, weights: str) -> list:
     """RUBRICS[name] with --rubric-weights applied ('format_reward=1,env_reward=0'). Raises ValueError on a bad spec."""
-    rubric = list(RUBRIC if name == "default" else RUBRICS[name])
+    rubric = list(RUBRICS[name])
     for item in filter(None, (x.strip() for x in weights.split(","))):
         key, eq, value = item.partition("=")
         names = [fn.__name__ for fn, _ in rubric]
@@ -398,7 +398,8 @@ def append_in_place_cache():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            n, new = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+            n = self.get_seq_length()
+            new = n + key_states.shape[-2]
             buf = getattr(self, "buffers", None)
             if buf is None or self.keys.data_ptr() != buf[0].data_ptr() or new > buf[0].shape[-2] or n == 0:
                 old = (self.keys, self.values) if n else (key_states[..., :0, :], value_states[..., :0, :])
@@ -424,7 +425,6 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
     prompt is most of the compute on a CPU (the bandit's 8 x 8 batch has 8 distinct prompts). The log-probs are
     those of the tempered distribution, which is what the update pass recomputes.
     """
-
     stops = torch.tensor(stop_token_ids(tok))
     device = next(model.parameters()).device
     results = []

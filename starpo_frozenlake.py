@@ -494,7 +494,8 @@ def append_in_place_cache():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            n, new = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+            n = self.get_seq_length()
+            new = n + key_states.shape[-2]
             buf = getattr(self, "buffers", None)
             if buf is None or self.keys.data_ptr() != buf[0].data_ptr() or new > buf[0].shape[-2] or n == 0:
                 old = (self.keys, self.values) if n else (key_states[..., :0, :], value_states[..., :0, :])
