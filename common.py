@@ -293,10 +293,12 @@ def parse_args(cls, argv=None, description: str | None = None):
     return cls(**vars(parser.parse_args(argv)))
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, device: str | None = None) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    if device == "cpu":  # bit-for-bit reproducible CPU runs (resume == uninterrupted, tested): without this the
+        torch.use_deterministic_algorithms(True)  # backward of an index with repeats sums in thread order
 
 
 def model_is_reachable(model_id: str) -> bool:

@@ -308,7 +308,7 @@ RUBRICS = {
 
 def select_rubric(name: str, weights: str) -> list:
     """RUBRICS[name] with --rubric-weights applied ('format_reward=1,env_reward=0'). Raises ValueError on a bad spec."""
-    rubric = list(RUBRICS[name])
+    rubric = list(RUBRIC if name == "default" else RUBRICS[name])  # RUBRIC read now: a patched RUBRIC is what trains
     for item in filter(None, (x.strip() for x in weights.split(","))):
         key, eq, value = item.partition("=")
         names = [fn.__name__ for fn, _ in rubric]
@@ -810,7 +810,7 @@ def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
 
 def main(argv=None):
     args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, description=__doc__.split("\n")[0]))
-    common.seed_everything(args.seed)
+    common.seed_everything(args.seed, device)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     import transformers

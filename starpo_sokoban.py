@@ -1128,7 +1128,7 @@ def print_sample(step: int, t: Trajectory) -> None:
 
 def main(argv=None):
     args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, description=__doc__.split("\n")[0]))
-    common.seed_everything(args.seed)
+    common.seed_everything(args.seed, device)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     import transformers
