@@ -9,17 +9,12 @@ model's build), seconds per step, generated tokens per second, and the eval curv
 """
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
+ROOT = harness.ROOT
 
 
 def main():
@@ -29,20 +24,8 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bandit_cpu.json"))
     ap.add_argument("extra", nargs="*", help="extra flags for starpo_bandit.py (after --)")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        if not a.warm_cache:
-            env["STARPO_CACHE"] = str(Path(tmp) / "cache")
-        run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "starpo_bandit.py", "--seed", str(a.seed), "--sample-every", "0", "--output-dir", str(run_dir), *a.extra]
-        load_start = os.getloadavg()
-        t0 = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        wall = time.time() - t0
-        if proc.returncode != 0:
-            sys.exit(f"benchmark run failed:\n{proc.stderr[-2000:]}")
-        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-        config = json.loads((run_dir / "config.json").read_text())
+    run = harness.run_script("starpo_bandit.py", ["--seed", str(a.seed), *a.extra], a.warm_cache)
+    rows, config, t0, wall = run["rows"], run["config"], run["t0"], run["wall"]
     evals = [(r["step"], round(r["timestamp"] - t0, 1), r["val/success"]) for r in rows if "val/success" in r]
     train = [r for r in rows if "timing_s/gen" in r]
     steps_s = lambda key: round(statistics.median(r[key] for r in train), 3)  # noqa: E731
@@ -65,14 +48,10 @@ def main():
         "eval_curve": [{"step": s, "wall_s": w, "val_success": v} for s, w, v in evals],
         "target": ">= 0.95 eval high-arm rate within 180 s wall time (cold cache)",
         "target_met": bool(first(0.95) is not None and first(0.95) <= 180 and not a.warm_cache),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_avg_at_start": [round(x, 2) for x in load_start],
-                    "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "machine": harness.machine(run["load_start"]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "eval_curve"}, indent=1))
+    harness.write_result(a.out, result)
 
 
 if __name__ == "__main__":

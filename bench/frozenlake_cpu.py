@@ -13,17 +13,12 @@ Target (issue #3) on a 2-core CPU: >= 0.40 eval success within 15 minutes of wal
 """
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
+ROOT = harness.ROOT
 TARGET_SUCCESS, TARGET_WALL_S = 0.40, 15 * 60
 
 
@@ -37,20 +32,8 @@ def main():
     ap.add_argument("extra", nargs="*", help="extra flags for starpo_frozenlake.py (after --)")
     a = ap.parse_args()
     flags = ["--seed", str(a.seed), *(["--steps", str(a.steps)] if a.steps is not None else []), *a.extra]
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        if not a.warm_cache:
-            env["STARPO_CACHE"] = str(Path(tmp) / "cache")
-        run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "starpo_frozenlake.py", *flags, "--sample-every", "0", "--output-dir", str(run_dir)]
-        load_start = os.getloadavg()
-        t0 = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        wall = time.time() - t0
-        if proc.returncode != 0:
-            sys.exit(f"benchmark run failed:\n{proc.stderr[-2000:]}")
-        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-        config = json.loads((run_dir / "config.json").read_text())
+    run = harness.run_script("starpo_frozenlake.py", flags, a.warm_cache)
+    rows, config, t0, wall = run["rows"], run["config"], run["t0"], run["wall"]
     evals = [(r["step"], round(r["timestamp"] - t0, 1), r["val/success"]) for r in rows if "val/success" in r]
     train = [r for r in rows if "timing_s/gen" in r]
     first = lambda thr: next((w for _, w, s in evals if s >= thr), None)  # noqa: E731
@@ -75,15 +58,10 @@ def main():
         "target": f">= {TARGET_SUCCESS:.2f} eval success within {TARGET_WALL_S} s wall time (cold cache, default run)",
         "target_met": bool(reached is not None and reached <= TARGET_WALL_S and not a.warm_cache
                            and a.steps is None and not a.extra),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                    "load_avg_at_start": [round(x, 2) for x in load_start],
-                    "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "machine": harness.machine(run["load_start"]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "eval_curve"}, indent=1))
+    harness.write_result(a.out, result)
     print("eval curve (step, wall s, val/success): " + ", ".join(f"({s}, {w}, {v:.3f})" for s, w, v in evals))
     print(f"written to {a.out}")
 

@@ -14,17 +14,12 @@ with StarPO-S: 0.215). Every figure comes from this run; nothing is hard-coded.
 """
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
+ROOT = harness.ROOT
 TARGET_SUCCESS, TARGET_WALL_S = 0.60, 20 * 60
 
 
@@ -42,20 +37,8 @@ def main():
         extra += ["--steps", str(a.steps)]
     if a.val_size is not None:
         extra += ["--val-size", str(a.val_size)]
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        if not a.warm_cache:
-            env["STARPO_CACHE"] = str(Path(tmp) / "cache")
-        run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "starpo_sokoban.py", "--seed", str(a.seed), "--sample-every", "0", "--output-dir", str(run_dir), *extra]
-        load_start = os.getloadavg()
-        t0 = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        wall = time.time() - t0
-        if proc.returncode != 0:
-            sys.exit(f"benchmark run failed:\n{proc.stderr[-2000:]}")
-        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-        config = json.loads((run_dir / "config.json").read_text())
+    run = harness.run_script("starpo_sokoban.py", ["--seed", str(a.seed), *extra], a.warm_cache)
+    rows, config, t0, wall = run["rows"], run["config"], run["t0"], run["wall"]
     evals = [r for r in rows if "val/success" in r]
     curve = [{"step": r["step"], "wall_s": round(r["timestamp"] - t0, 1), "val_success": r["val/success"],
               "val_random_success": r["val/random_success"], "val_optimal_success": r["val/optimal_success"]}
@@ -86,14 +69,10 @@ def main():
         "median_s_breakdown": {k: round(statistics.median(r[f"timing_s/{k}"] for r in train), 3)
                                for k in ("gen", "env", "logprob", "update")} if train else None,
         "eval_curve": curve,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_avg_at_start": [round(x, 2) for x in load_start],
-                    "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "machine": harness.machine(run["load_start"]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "eval_curve"}, indent=1))
+    harness.write_result(a.out, result)
 
 
 if __name__ == "__main__":
