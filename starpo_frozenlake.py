@@ -42,7 +42,9 @@ How it departs from the paper / RAGEN:
       - top_p 0.95 for training rollouts. A rare malformed reply inside a lucky (successful) episode gets a large
         positive update, because low-probability tokens have large gradients; with sparse, noisy rewards such
         tails spread until the format breaks. The nucleus cuts them while the four moves (each ~1/4) stay sampled.
-    How far the tiny model gets is measured by bench/frozenlake_cpu.py (results in bench/results/).
+    How far the tiny model gets is measured by bench/frozenlake_cpu.py (results in bench/results/): it stays at
+    the random policy's level, and bench/tiny_probe.py shows why (even supervised, it does not learn to read moves
+    off the lake in 300 steps).
   * The rubric (env reward + RAGEN's -0.1 format penalty per bad turn) is explicit and logged per component.
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the

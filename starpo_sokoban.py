@@ -349,9 +349,10 @@ class SokobanEnv:
     def observation(self) -> str:
         """What the agent sees: the grid, and (positions=True) where the player, boxes and targets are.
 
-        The coordinates repeat what the grid shows. A model reads a cell's symbol easily but has to work out its
-        row and column by counting tokens; the tiny model never learned that (its move choices stayed at chance
-        even under supervised training), while with the coordinates it did.
+        The coordinates repeat what the grid shows: a model reads a cell's symbol easily but has to work out its
+        row and column by counting tokens. They are not enough for the embedded tiny model: bench/tiny_probe.py
+        fine-tunes it on solver moves with these very prompts and its first move stays at chance after 300
+        supervised steps (bench/results/tiny_probe.json).
         """
         if not self.positions:
             return self.render()
