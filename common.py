@@ -360,6 +360,20 @@ def tiny_cache_root() -> Path:
     return Path(os.environ.get("STARPO_CACHE", Path.home() / ".cache" / "starpo"))
 
 
+def sft_batch(rows: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids, prompt length) rows -> right-padded input_ids, labels, attention_mask, each (B, T).
+    Labels are -100 (ignored by the loss) on the prompt and the padding: supervised loss on the reply only."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id)
+    labels = torch.full((len(rows), width), -100)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, p_len) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, p_len : len(ids)] = torch.tensor(ids[p_len:])
+        attn[i, : len(ids)] = 1
+    return input_ids, labels, attn
+
+
 def build_tiny_model(
     name: str,
     examples: list[tuple[list[dict], str]],
@@ -422,15 +436,7 @@ def build_tiny_model(
     rng = random.Random(seed)
     model.train()
     for step in range(sft_steps):
-        batch = [rows[rng.randrange(len(rows))] for _ in range(sft_batch_size)]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), tok.pad_token_id)  # (B, T), right-padded
-        labels = torch.full((len(batch), width), -100)  # (B, T); -100 = ignored by the loss
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (ids, p_len) in enumerate(batch):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            labels[i, p_len : len(ids)] = torch.tensor(ids[p_len:])
-            attn[i, : len(ids)] = 1
+        input_ids, labels, attn = sft_batch([rows[rng.randrange(len(rows))] for _ in range(sft_batch_size)], tok.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

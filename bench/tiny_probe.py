@@ -128,14 +128,7 @@ def probe(task: str, prompt: str, steps: int, eval_every: int, lr: float, batch_
             p = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
             r = tok(f"<think> {thought} </think> <answer> {label} </answer>", add_special_tokens=False)["input_ids"]
             rows.append((p + r + [tok.eos_token_id], len(p)))
-        width = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((len(rows), width), tok.pad_token_id)  # (B, T), right-padded
-        labels = torch.full((len(rows), width), -100)  # (B, T): loss on the reply only
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (ids, p_len) in enumerate(rows):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            labels[i, p_len:len(ids)] = torch.tensor(ids[p_len:])
-            attn[i, : len(ids)] = 1
+        input_ids, labels, attn = common.sft_batch(rows, tok.pad_token_id)  # (B, T) each: loss on the reply only
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -974,3 +974,10 @@ def test_value_loss_gradient_clipped_when_clipped_error_larger():
     assert met["vf_clipfrac"] == pytest.approx(0.5)
     assert v.grad[0, 0].item() == 0.0
     assert v.grad[0, 1].item() == pytest.approx(0.5 * 2 * (0.3 - 0.1) / 2, rel=1e-5)
+
+
+def test_sft_batch_right_pads_and_trains_only_the_reply():
+    input_ids, labels, attn = common.sft_batch([([5, 6, 7, 8], 2), ([9, 10], 1)], pad_id=0)
+    assert input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert labels.tolist() == [[-100, -100, 7, 8], [-100, 10, -100, -100]]  # prompt and padding ignored
+    assert attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
