@@ -586,38 +586,6 @@ def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
     return z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
 
 
-def append_in_place_cache():
-    """A transformers DynamicCache whose layers append each new token in place, into a buffer with room to spare.
-
-    transformers' DynamicLayer appends with torch.cat, which copies the whole cache at every generated token; on the
-    bandit's 32-reply batch that copy was 55% of generation time (torch.profiler, CPU). Here a layer copies only
-    when its buffer doubles, and `keys` / `values` stay what transformers reads: the filled part, as a view. Any
-    other change to them (batch_select_indices) is noticed and starts a new buffer. Used for generation only.
-    """
-    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-
-    class AppendInPlace(DynamicLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n = self.get_seq_length()
-            new = n + key_states.shape[-2]
-            buf = getattr(self, "buffers", None)
-            if buf is None or self.keys.data_ptr() != buf[0].data_ptr() or new > buf[0].shape[-2] or n == 0:
-                old = (self.keys, self.values) if n else (key_states[..., :0, :], value_states[..., :0, :])
-                buf = tuple(x.new_empty(*x.shape[:-2], 2 * new, x.shape[-1]) for x in (key_states, value_states))
-                for b, o in zip(buf, old):
-                    b[..., :n, :] = o
-                self.buffers = buf
-            buf[0][..., n:new, :], buf[1][..., n:new, :] = key_states, value_states
-            self.keys, self.values = buf[0][..., :new, :], buf[1][..., :new, :]
-            return self.keys, self.values
-
-    cache = DynamicCache()
-    Cache.__init__(cache, layer_class_to_replicate=AppendInPlace)
-    return cache
-
-
 @torch.no_grad()
 def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size):
     """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
@@ -641,7 +609,7 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
             input_ids[j, width - len(p) :] = torch.tensor(p)
             attn[j, width - len(p) :] = 1
         positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P): left padding must not shift positions
-        cache = append_in_place_cache()
+        cache = common.append_in_place_cache()
         out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
         cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache

@@ -361,7 +361,7 @@ def test_append_in_place_cache_matches_transformers_dynamic_cache(tiny):
     ids = torch.randint(5, model.config.vocab_size, (2, 7), generator=gen)
     steps = torch.randint(5, model.config.vocab_size, (3, 20), generator=gen)
     outs = []
-    for cache in (DynamicCache(), sb.append_in_place_cache()):
+    for cache in (DynamicCache(), common.append_in_place_cache()):
         with torch.no_grad():
             logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits]
             cache.batch_select_indices(torch.tensor([0, 1, 1]))
