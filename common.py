@@ -272,26 +272,42 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_args(cls, argv=None, description: str | None = None):
-    """Turn a dataclass into kebab-case flags (field `group_size` -> `--group-size`) and parse argv into it."""
-    parser = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    docs = _field_docs(cls)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        tp, kw = hints[f.name], {"default": f.default, "help": docs.get(f.name, " ").replace("%", "%%")}
-        args = typing.get_args(tp)
-        if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-            tp = next(a for a in args if a is not type(None))  # Optional[X] -> X (None means "pick for me")
+def parse_args(cls, argv=None, description: str | None = None, presets: dict | None = None):
+    """Turn a dataclass into kebab-case flags (field `group_size` -> `--group-size`) and parse argv into it.
+
+    presets: {name: {field: value}}, shown in --help next to each field's default. The returned instance carries
+    `given`, the set of fields set on the command line, so that a preset or a resumed run's config fills only the
+    others (a flag you type always wins).
+    """
+
+    def build(suppress: bool) -> argparse.ArgumentParser:
+        parser = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            text = docs.get(f.name, " ")
+            shown = [f"{name} {p[f.name]}" for name, p in (presets or {}).items() if f.name in p]
+            if shown:
+                text += " [presets: " + ", ".join(shown) + "]"
+            tp = hints[f.name]
+            kw = {"default": argparse.SUPPRESS if suppress else f.default, "help": text.replace("%", "%%")}
             args = typing.get_args(tp)
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(tp) is typing.Literal:
-            kw["choices"], kw["type"] = list(args), type(args[0])
-        else:
-            kw["type"] = tp
-        parser.add_argument(flag, **kw)
-    return cls(**vars(parser.parse_args(argv)))
+            if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+                tp = next(a for a in args if a is not type(None))  # Optional[X] -> X
+                args = typing.get_args(tp)
+            if tp is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(tp) is typing.Literal:
+                kw["choices"], kw["type"] = list(args), type(args[0])
+            else:
+                kw["type"] = tp
+            parser.add_argument(flag, **kw)
+        return parser
+
+    args = cls(**vars(build(False).parse_args(argv)))
+    args.given = frozenset(vars(build(True).parse_args(argv)))  # not a field: never saved in config.json
+    return args
 
 
 def seed_everything(seed: int, device: str | None = None) -> None:
@@ -614,3 +630,176 @@ class GracefulStop:
         print(f"\n{self.requested}: finishing this step, then saving a checkpoint and stopping "
               "(press Ctrl-C again to stop at once)", file=sys.stderr)
 
+
+
+#### The run: everything in main() that is not the algorithm ##########################################################
+
+
+class Run:
+    """Start or resume a run, and after every step write its metrics, checkpoint it, and stop cleanly on a signal.
+
+    main() builds the models, then hands this object what a checkpoint must hold; from there main() reads as the
+    algorithm (rollout -> filter -> old log-probs -> advantages -> update -> log) and this object does the rest:
+      * start: config.json (fresh run), or resume: optimizer / critic / RNG state back, metrics.jsonl and
+        rollouts.jsonl cut back to the checkpoint's step, time_s continuing where it stopped;
+      * per step: phase timers (`with run.timer("gen"):`), the echo-trap check, metrics.jsonl, report.html after
+        every evaluation (and every evaluation printed), the progress bar, the non-finite-update guard,
+        checkpoints every --save-every steps, and the Ctrl-C / SIGTERM stop with a copy-pasteable resume command.
+    """
+
+    def __init__(self, args, task: str, script: str, resume_from: Path | None, policy, tok, state: dict,
+                 generators: list, config: dict, warnings_fn):
+        from report import build_report  # report.py is plumbing too; imported here so common.py stands alone
+
+        self.args, self.task, self.script, self.policy, self.tok = args, task, script, policy, tok
+        self.state, self.generators, self.warnings_fn, self.build_report = state, generators, warnings_fn, build_report
+        self.out_dir = Path(args.output_dir)
+        self.resume_from = resume_from
+        self.start_step, self.history, self.warned, self.skipped_in_a_row, self.time_before = 1, [], set(), 0, 0.0
+        if resume_from is None:
+            (self.out_dir / "config.json").write_text(json.dumps(dict(dataclasses.asdict(args), **config), indent=1))
+        else:
+            saved = load_checkpoint_state(resume_from)
+            for name, obj in state.items():
+                if obj is not None:
+                    obj.load_state_dict(saved[name])
+            set_rng_state(saved["rng"], *generators)
+            self.start_step, self.history = saved["step"] + 1, saved["history"]
+            self.warned, self.skipped_in_a_row = set(saved["warned"]), saved["skipped_in_a_row"]
+            self.time_before = float(saved.get("time_s", 0.0))
+            for name in ("metrics.jsonl", "rollouts.jsonl"):  # the steps after the checkpoint will be run again
+                truncate_jsonl(self.out_dir / name, saved["step"])
+            write_line(f"resumed from {resume_from} at step {saved['step']}")
+        self.metrics = Metrics(self.out_dir / "metrics.jsonl")
+        self.rollouts = Metrics(self.out_dir / "rollouts.jsonl")
+        self.stop = GracefulStop()
+        self.t_start = time.time()
+        self.timings: dict[str, float] = {}
+        self._running: list[str] = []
+        self.last_val = float("nan")
+        self.bar = None
+
+    @property
+    def fresh(self) -> bool:
+        return self.resume_from is None
+
+    def time_s(self) -> float:
+        """Seconds of this run so far, earlier segments (before a resume) included."""
+        return self.time_before + time.time() - self.t_start
+
+    def timer(self, name: str):
+        """`with run.timer("update"):` adds the block's seconds to timing_s/update. Time inside `eval` counts only
+        there (evaluation generates too, and that is not training-rollout generation)."""
+        run = self
+
+        class _Timer:
+            def __enter__(self):
+                self.t = time.time()
+                run._running.append(name)
+
+            def __exit__(self, *exc):
+                run._running.pop()
+                if "eval" not in run._running:
+                    run.timings[name] = run.timings.get(name, 0.0) + time.time() - self.t
+
+        return _Timer()
+
+    def eval_due(self, step: int) -> bool:
+        return step == self.args.steps or bool(self.args.eval_every and step % self.args.eval_every == 0)
+
+    def write_rollouts(self, records) -> None:
+        for r in records:
+            self.rollouts.write(r)
+
+    def steps(self, desc: str):
+        """The training steps still to run, under a progress bar; phase timers start afresh each step."""
+        self.bar = tqdm_bar(range(self.start_step, self.args.steps + 1), desc=desc, initial=self.start_step - 1,
+                            total=self.args.steps)
+        for step in self.bar:
+            self.timings, self.t_step = {}, time.time()
+            yield step
+
+    def log_eval(self, step: int, val: dict, records) -> None:
+        """Step 0's evaluation (before any update): its own metrics line, rollouts and a first report."""
+        self.write_rollouts(records)
+        self.metrics.write({"step": step, **val, "time_s": self.time_s(), "timestamp": time.time()})
+        self._print_eval(step, val)
+        self.build_report(self.out_dir)
+
+    def _print_eval(self, step: int, record: dict) -> None:
+        self.last_val = record["val/success"]
+        shown = "  ".join(f"{k} {record[k]:.3f}" for k in ("val/success", "val/reward") if k in record)
+        write_line(f"step {step}  {shown}")
+
+    def end_step(self, step: int, record: dict, skipped: int) -> None:
+        """Everything after the update: timers, warnings, metrics line, report, bar, guards, checkpoint, stop."""
+        args = self.args
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        timings = dict(self.timings)
+        if "rollout" in timings:  # the rollout's time that was not generation: the environment and tokenising
+            timings["env"] = timings.pop("rollout") - timings.get("gen", 0.0)
+        record.update({f"timing_s/{k}": v for k, v in timings.items()})
+        self.history.append({k: v for k, v in record.items() if k in ("rollout/in_group_std", "actor/grad_norm")})
+        if skipped:
+            write_line(f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient "
+                       f"({self.skipped_in_a_row} step(s) in a row)")
+        for msg in self.warnings_fn(self.history, self.warned):
+            write_line(f"[echo-trap warning, step {step}] {msg}")
+            record["warn/echo_trap"] = 1
+        record["timing_s/step"] = time.time() - self.t_step
+        record["time_s"], record["timestamp"] = self.time_s(), time.time()
+        self.metrics.write(record)
+        if "val/success" in record:
+            self._print_eval(step, record)
+            self.build_report(self.out_dir)
+        self.bar.set_postfix({"succ": f"{record['train/success']:.2f}", "val": f"{self.last_val:.2f}",
+                              "std": f"{record['rollout/in_group_std']:.3f}", "ent": f"{record.get('actor/entropy', 0):.2f}"})
+        if self.skipped_in_a_row >= args.max_skipped:
+            fail("--max-skipped", f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
+                                  f"without saving. Last good checkpoint: {latest_checkpoint(self.out_dir) or 'none'}")
+        if step == args.steps or (args.save_every and step % args.save_every == 0) or self.stop.requested:
+            path = self.checkpoint(step)
+            if self.stop.requested and step < args.steps:
+                write_line(f"stopped by {self.stop.requested} after step {step}; checkpoint {path}. Continue with: "
+                           f"python {self.script} --resume --output-dir {self.out_dir}")
+                raise SystemExit(130 if self.stop.requested == "SIGINT" else 143)
+
+    def checkpoint(self, step: int) -> Path:
+        state = dict(step=step, rng=rng_state(*self.generators), history=self.history, warned=sorted(self.warned),
+                     skipped_in_a_row=self.skipped_in_a_row, time_s=self.time_s())
+        state.update({name: obj.state_dict() for name, obj in self.state.items() if obj is not None})
+        return save_checkpoint(self.out_dir, step, self.policy, self.tok, state, self.args.keep_checkpoints)
+
+    def finish(self, extra: str = "") -> None:
+        """Close the files and print the final line: steps, time, last val/success, where the policy and report are."""
+        self.metrics.close()
+        self.rollouts.close()
+        from report import read_jsonl
+
+        evals = [r for r in read_jsonl(self.out_dir / "metrics.jsonl") if "val/success" in r]
+        last = latest_checkpoint(self.out_dir)  # none when --steps 0
+        write_line(f"done: {self.args.steps} steps in {self.time_s():.0f}s, final val/success "
+                   f"{evals[-1]['val/success']:.3f}{extra}; policy: {last / 'policy' if last else 'none saved'}; "
+                   f"report: {self.build_report(self.out_dir)}")
+
+
+def tqdm_bar(iterable, **kw):
+    from tqdm import tqdm
+
+    return tqdm(iterable, dynamic_ncols=True, **kw)
+
+
+def write_line(text: str) -> None:
+    """Print above the progress bar (tqdm.write), so the bar stays on the last line."""
+    from tqdm import tqdm
+
+    tqdm.write(text)
+
+
+def given_fields(args) -> frozenset:
+    """The fields set on the command line (parse_args records them as `args.given`); for an instance built in code,
+    the fields whose value differs from the dataclass default."""
+    given = getattr(args, "given", None)
+    if given is not None:
+        return frozenset(given)
+    return frozenset(f.name for f in dataclasses.fields(args) if getattr(args, f.name) != f.default)

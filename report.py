@@ -230,51 +230,47 @@ def charts(metrics: list[dict]) -> list[str]:
 
 
 ########################################################################################################################
-# GRIDS AND ARMS — parsed here from the state text, drawn by the page's script
+# GRIDS AND ARMS — each rollout record carries the environment's own view of every state (env.describe())
 ########################################################################################################################
 
-# symbol -> (cell fill, what is drawn on it). One source for the page and for the tests' pixel checks.
-GRID_STYLE = {
-    "frozenlake": {"_": ["#bfdbfe", ""], "O": ["#1e3a8a", ""], "G": ["#22c55e", ""], "P": ["#bfdbfe", "player"],
-                   "X": ["#1e3a8a", "fallen"], "√": ["#22c55e", "player"]},
-    "sokoban": {"#": ["#57534e", ""], "_": ["#f5f5f4", ""], "O": ["#f5f5f4", "target"], "X": ["#f5f5f4", "box"],
-                "√": ["#f5f5f4", "box-on-target"], "P": ["#f5f5f4", "player"], "S": ["#f5f5f4", "player-on-target"]},
+# What a cell shows, by the name the environment's legend gives it -> (cell fill, what is drawn on it). Shared by
+# every task: a new environment whose legend says "wall", "player", "goal", ... is drawn with no change here, and
+# a name not listed gets a colour of its own (a stable hash of the name). One source for the page and the tests.
+CELL_STYLE = {
+    "wall": ["#57534e", ""], "floor": ["#f5f5f4", ""], "target": ["#f5f5f4", "target"], "box": ["#f5f5f4", "box"],
+    "box on target": ["#f5f5f4", "box-on-target"], "player": ["#e0e7ff", "player"],
+    "player on target": ["#f5f5f4", "player-on-target"], "frozen": ["#bfdbfe", ""], "hole": ["#1e3a8a", ""],
+    "goal": ["#22c55e", ""], "player in a hole": ["#1e3a8a", "fallen"], "player on goal": ["#22c55e", "player"],
 }
-GRID_LEGEND = {
-    "frozenlake": {"_": "frozen", "O": "hole", "G": "goal", "P": "player", "X": "player in a hole",
-                   "√": "player on goal"},
-    "sokoban": {"#": "wall", "_": "floor", "O": "target", "X": "box", "√": "box on target", "P": "player",
-                "S": "player on target"},
-}
-# what stands on a cell (see GRID_STYLE) -> its colour
+# what stands on a cell (see CELL_STYLE) -> its colour
 THING_COLOURS = {"player": "#2563eb", "fallen": "#dc2626", "box": "#b45309", "box-on-target": "#16a34a",
                  "target": "#dc2626"}
 ARM_CHOSEN_COLOUR = "#fcd34d"
 
 
-def find_grid(state: str, task: str) -> dict | None:
-    """The longest block of consecutive lines made only of the task's symbols (space-separated or not)."""
-    symbols = set(GRID_STYLE.get(task, {})) or set(GRID_STYLE["frozenlake"]) | set(GRID_STYLE["sokoban"])
-    best: list[list[str]] = []
-    block: list[list[str]] = []
-    for line in state.splitlines() + [""]:
-        line = line.strip()
-        cells = line.split() if " " in line else list(line)
-        if cells and all(c in symbols for c in cells):
-            block.append(cells)
-            continue
-        if block and len(block) >= len(best):  # ties: the later block (the current state comes last)
-            best = block
-        block = []
-    if sum(len(row) for row in best) < 2:  # a lone "O" in prose is not a grid
+def cell_style(name: str) -> list[str]:
+    if name in CELL_STYLE:
+        return CELL_STYLE[name]
+    h = int(hashlib.sha256(name.encode()).hexdigest()[:6], 16)
+    return [f"hsl({h % 360}, 55%, 70%)", ""]
+
+
+def grid_of(view) -> dict | None:
+    """A drawable grid from env.describe(): rows of symbols, and per symbol its legend name and style."""
+    if not isinstance(view, dict) or not isinstance(view.get("grid"), list):
         return None
-    kind = task if task in GRID_STYLE else ("sokoban" if any(c in "#S" for row in best for c in row) else "frozenlake")
-    return {"kind": kind, "rows": best}
+    rows = [[str(c) for c in row] for row in view["grid"] if isinstance(row, list)]
+    legend = {str(k): str(v) for k, v in (view.get("legend") or {}).items()}
+    if not rows:
+        return None
+    return {"rows": rows, "legend": legend, "style": {sym: cell_style(name) for sym, name in legend.items()}}
 
 
-def find_arms(state: str) -> list[str] | None:
-    m = re.search(r"named (.+?) and (.+?)\.(?:\s|$)", state)
-    return [m.group(1).strip(), m.group(2).strip()] if m else None
+def arms_of(view) -> dict | None:
+    """The bandit's arms from env.describe(): the names in the order shown, and which one is high-risk."""
+    if not isinstance(view, dict) or not isinstance(view.get("arms"), list):
+        return None
+    return {"names": [str(a) for a in view["arms"]], "high": str(view.get("high_arm") or "")}
 
 
 def clip_text(s, n: int = MAX_TEXT):
@@ -301,13 +297,15 @@ def viewer_rollouts(rollouts: list[dict], task: str) -> tuple[list[dict], int]:
                     state, answer = clip_text(t.get("state")), t.get("answer")
                     turns.append(dict(state=state, text=clip_text(t.get("text")),
                                       answer=None if answer is None else clip_text(answer),
-                                      actions=[str(a) for a in t.get("actions") or []], reward=number(t.get("reward")),
+                                      actions=[str(a) for a in t.get("actions") or []],
+                                      env_reward=number(t.get("env_reward")), score=number(t.get("score")),
                                       rubric={str(k): number(v) for k, v in (t.get("rubric") or {}).items()},
-                                      grid=None if task == "bandit" else find_grid(state, task),
-                                      arms=find_arms(state) if task == "bandit" else None))
+                                      grid=grid_of(t.get("view")), arms=arms_of(t.get("view"))))
                 seed = r.get("seed")
                 kept.append(dict(step=r["step"], split=split, seed=seed if isinstance(seed, (int, str)) else str(seed),
-                                 success=bool(r.get("success")), reward=number(r.get("reward")), turns=turns))
+                                 success=bool(r.get("success")), score=number(r.get("score")),
+                                 env_reward=number(r.get("env_reward")), turns=turns,
+                                 final_grid=grid_of(r.get("final_view"))))
     return kept, len(rollouts)
 
 
@@ -430,11 +428,11 @@ JS = r"""
   }
 
   function drawGrid(grid) {  // the state as coloured cells, with a legend
-    const S = 30, style = DATA.grid_style[grid.kind], width = Math.max(...grid.rows.map((r) => r.length));
+    const S = 30, style = grid.style, width = Math.max(...grid.rows.map((r) => r.length));
     const g = svg("svg", { width: width * S, height: grid.rows.length * S, class: "grid-board" });
     grid.rows.forEach((row, r) => row.forEach((sym, c) => drawCell(g, style, sym, c * S, r * S, S)));
     const legend = el("div", "legend-row");
-    for (const [sym, name] of Object.entries(DATA.grid_legend[grid.kind])) {
+    for (const [sym, name] of Object.entries(grid.legend)) {
       const swatch = svg("svg", { width: 14, height: 14 });
       drawCell(swatch, style, sym, 0, 0, 14);
       legend.append(el("span", "", swatch, ` ${sym} ${name}`));
@@ -442,15 +440,15 @@ JS = r"""
     return el("div", "", g, legend);
   }
 
-  function drawArms(arms, turn, split) {  // the bandit: two cards, the chosen one highlighted
-    const choice = (turn.actions[0] || turn.answer || "").trim().toLowerCase(), high = DATA.high_arm[split];
+  function drawArms(arms, turn) {  // the bandit: two cards, the chosen one highlighted
+    const choice = (turn.actions[0] || turn.answer || "").trim().toLowerCase(), high = arms.high;
     const box = el("div");
-    for (const name of arms) {
+    for (const name of arms.names) {
       const risk = !high ? "arm" : name.toLowerCase() === high.toLowerCase() ? "high-risk arm" : "low-risk arm";
       const chosen = name.toLowerCase() === choice ? " chosen" : "";
       box.append(el("div", "arm" + chosen, el("b", "", name), el("span", "", risk)));
     }
-    if (!arms.some((a) => a.toLowerCase() === choice)) box.append(el("div", "bad", "no valid arm chosen"));
+    if (!arms.names.some((a) => a.toLowerCase() === choice)) box.append(el("div", "bad", "no valid arm chosen"));
     return box;
   }
 
@@ -466,7 +464,7 @@ JS = r"""
   function drawTurn(turn, i, split) {
     const board = el("div", "board");
     if (turn.grid) board.append(drawGrid(turn.grid));
-    else if (turn.arms) board.append(drawArms(turn.arms, turn, split));
+    else if (turn.arms) board.append(drawArms(turn.arms, turn));
     else board.append(el("div", "muted", "no grid in this state"));
     const answer = el("div", "", "answer: ",
       turn.answer === null ? el("span", "bad", "none (not well formed)") : el("b", "", turn.answer));
@@ -476,7 +474,7 @@ JS = r"""
       rubric.append(el("tr", "", el("td", "", k), el("td", "", num(v))));
     const state = el("details", "", el("summary", "", "state shown to the model"), el("pre", "state", turn.state));
     const talk = el("div", "talk", highlight(turn.text), answer, el("div", "", "actions: ", ...chips), rubric, state);
-    return el("div", "turn", el("h3", "", `Turn ${i + 1} · env reward ${num(turn.reward)}`),
+    return el("div", "turn", el("h3", "", `Turn ${i + 1} · env reward ${num(turn.env_reward)} · rubric score ${num(turn.score)}`),
               el("div", "turn-body", board, talk));
   }
 
@@ -486,15 +484,17 @@ JS = r"""
     if (!r) return view.replaceChildren(el("p", "muted", "no trajectory matches"));
     const outcome = el("b", r.success ? "ok" : "bad", r.success ? "success" : "failure");
     view.replaceChildren(el("p", "", `${r.split} · step ${r.step} · seed ${r.seed} · `, outcome,
-                            ` · reward ${num(r.reward)} · ${r.turns.length} turn(s)`),
-                         ...r.turns.map((t, i) => drawTurn(t, i, r.split)));
+                            ` · rubric score ${num(r.score)} · env reward ${num(r.env_reward)} · ${r.turns.length} turn(s)`),
+                         ...r.turns.map((t, i) => drawTurn(t, i, r.split)),
+                         ...(r.final_grid ? [el("div", "turn", el("h3", "", "After the last move"),
+                                                el("div", "turn-body", el("div", "board", drawGrid(r.final_grid))))] : []));
   }
   function showList() {  // the trajectories of the chosen split and step, filtered by outcome
     const want = $("outcome").value;
     const list = rollouts.filter((r) => r.split === $("split").value && String(r.step) === $("step").value &&
                                         (want === "all" || r.success === (want === "success")));
     fill($("traj"), list.map((r) => [String(rollouts.indexOf(r)),
-                                     `seed ${r.seed} · ${r.success ? "✓" : "✗"} · reward ${num(r.reward)}`]));
+                                     `seed ${r.seed} · ${r.success ? "✓" : "✗"} · score ${num(r.score)}`]));
     showTrajectory();
   }
   function showSteps() {  // the steps of the chosen split; the latest is selected
@@ -525,10 +525,7 @@ def render_page(run_dir: Path) -> str:
     config, metrics, rollouts = load_run(run_dir)
     task = infer_task(config, rollouts, run_dir)
     kept, total = viewer_rollouts(rollouts, task)
-    high = config.get("high_arm_name")
-    high_arm = {"train": high, "val": config.get("val_high_arm_name") or high}
-    data = dict(rollouts=kept, grid_style=GRID_STYLE, grid_legend=GRID_LEGEND, thing_colours=THING_COLOURS,
-                high_arm=high_arm)  # the bandit: which arm name is the high-risk one, per split
+    data = dict(rollouts=kept, thing_colours=THING_COLOURS)
     # Only this exact script may run: a reply that somehow reached the page as markup could not execute anything.
     script_hash = base64.b64encode(hashlib.sha256(JS.encode()).digest()).decode()
     csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{script_hash}'"

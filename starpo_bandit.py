@@ -42,17 +42,15 @@ import random
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 import torch.nn as nn
-from tqdm import tqdm
 
 import common
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
-from report import build_report, read_jsonl
 
 
 @dataclass
@@ -61,7 +59,7 @@ class Args:
     seed: int = 0
     """random seed (training seeds, sampling, shuffling)"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl, rollouts.jsonl, config.json and checkpoints go (default: a new runs/bandit-... folder)"""
+    """where metrics.jsonl, rollouts.jsonl, config.json and checkpoints go (default: a new folder under runs/)"""
     resume: bool = False
     """continue the run in --output-dir from its newest complete checkpoint"""
     overwrite: bool = False
@@ -71,10 +69,12 @@ class Args:
     # ---- model and generation ----
     model: str = "auto"
     """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
+    preset: Literal["auto", "paper", "tiny"] = "auto"
+    """defaults for the flags you do not give (PRESETS below); auto = tiny for the tiny model, else paper"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
-    max_tokens: Optional[int] = None
-    """max new tokens per reply (paper 500; tiny 40)"""
+    max_tokens: int = 500
+    """max new tokens per reply"""
     max_model_len: int = 3600
     """longest prompt + reply the model may see"""
     temperature: float = 1.0
@@ -112,24 +112,24 @@ class Args:
     """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
     estimator: Literal["gae", "grpo"] = "gae"
     """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward"""
-    n_groups: Optional[int] = None
-    """groups (distinct initial states) per step (paper 8; tiny 8)"""
-    group_size: Optional[int] = None
-    """rollouts per group, all from the same seed (paper 16; tiny 8)"""
-    keep_ratio: Optional[float] = None
-    """uncertainty filter: fraction of groups kept (starpo 1.0, starpo-s 0.25)"""
+    n_groups: int = 8
+    """groups (distinct initial states) per step"""
+    group_size: int = 16
+    """rollouts per group, all from the same seed"""
+    keep_ratio: float = 0.25
+    """uncertainty filter: fraction of groups kept"""
     filter_mode: Literal["std", "std_rev"] = "std"
     """keep the highest-std groups (std) or, as an ablation, the lowest (std_rev)"""
-    kl_coef: Optional[float] = None
-    """weight of the KL-to-reference loss (starpo 0.001, starpo-s 0)"""
+    kl_coef: float = 0.0
+    """weight of the KL-to-reference loss"""
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
     """KL estimator"""
     clip_low: float = 0.2
     """PPO clip below 1"""
-    clip_high: Optional[float] = None
-    """PPO clip above 1 (starpo 0.2, starpo-s 0.28)"""
-    dual_clip: Optional[float] = None
-    """cap on the loss of negative-advantage tokens, > 1 (starpo off, starpo-s 3.0); 0 turns it off"""
+    clip_high: float = 0.28
+    """PPO clip above 1"""
+    dual_clip: float = 3.0
+    """cap on the loss of negative-advantage tokens, > 1; 0 turns it off"""
     entropy_coef: float = 0.001
     """entropy bonus weight"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
@@ -143,12 +143,12 @@ class Args:
     value_clip: float = 0.5
     """critic value clip"""
     # ---- optimisation ----
-    steps: Optional[int] = None
-    """training steps (paper 200; tiny 40)"""
-    lr: Optional[float] = None
-    """actor learning rate (paper 1e-6; tiny 1e-4)"""
-    critic_lr: Optional[float] = None
-    """critic learning rate (paper 1e-5; tiny 1e-3)"""
+    steps: int = 200
+    """training steps"""
+    lr: float = 1e-6
+    """actor learning rate"""
+    critic_lr: float = 1e-5
+    """critic learning rate"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     grad_clip: float = 1.0
@@ -162,8 +162,8 @@ class Args:
     # ---- evaluation and logging ----
     eval_every: int = 10
     """evaluate every N steps (and before training); 0 = only before and after"""
-    val_size: Optional[int] = None
-    """evaluation seeds (paper 256; tiny 256)"""
+    val_size: int = 256
+    """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
     keep_checkpoints: int = 2
@@ -180,10 +180,19 @@ class Args:
     """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
 
 
-PAPER_DEFAULTS = dict(max_tokens=500, n_groups=8, group_size=16, steps=200, lr=1e-6, critic_lr=1e-5, val_size=256)
-# The tiny model learns from scratch-sized steps: far larger learning rates, short replies, fewer steps.
-TINY_DEFAULTS = dict(max_tokens=40, n_groups=8, group_size=8, steps=40, lr=1e-4, critic_lr=1e-3, val_size=256)
+# --preset: the defaults of every flag you do not give. The paper's are the field defaults above; the tiny model
+# learns from scratch-sized steps: far larger learning rates, short replies, fewer steps.
+PRESETS = {
+    "paper": {},
+    "tiny": dict(max_tokens=40, group_size=8, steps=40, lr=1e-4, critic_lr=1e-3),
+}
+# --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
+ALGOS = {
+    "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
+    "starpo-s": dict(keep_ratio=0.25, kl_coef=0.0, clip_high=0.28, dual_clip=3.0),
+}
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
+TASK = "bandit"
 
 
 ########################################################################################################################
@@ -207,6 +216,10 @@ class BanditEnv:
         if self.rng.random() < 0.5:
             self.names.reverse()
         return BANDIT_PROMPT.format(a=self.names[0], b=self.names[1])
+
+    def describe(self) -> dict:
+        """The episode as data, for the report's viewer and for rubrics: the arms in the order shown."""
+        return dict(arms=list(self.names), high_arm=self.high_name)
 
     def step(self, action: str):
         choice = action.strip().lower()
@@ -239,19 +252,21 @@ BANDIT_PROMPT = (
 
 
 @dataclass
-class Sample:
-    """One finished rollout, as the rubric sees it."""
+class Turn:
+    """One finished rollout (the bandit's episode is one turn), as the rubric sees it."""
 
     text: str  # the raw reply, exactly as generated
     think: Optional[str]  # inside <think>...</think>, None if not well formed
     answer: Optional[str]  # inside <answer>...</answer>, None if missing, repeated or unclosed
     env_reward: float  # what the environment paid
     info: dict  # the environment's info: success, action_is_valid
+    parts: dict = field(default_factory=dict)  # rubric components (unweighted)
+    reward: float = 0.0  # weighted sum of the components
 
 
-def env_reward(s: Sample) -> float:
+def env_reward(t: Turn) -> float:
     """The bandit's payout: high-risk arm 1.0 with probability 0.25 (else 0), low-risk arm 0.15, invalid 0."""
-    return s.env_reward
+    return t.env_reward
 
 
 FORMAT_RE = re.compile(
@@ -260,14 +275,14 @@ FORMAT_RE = re.compile(
 )
 
 
-def format_reward(s: Sample) -> float:
+def format_reward(t: Turn) -> float:
     """1 if the reply is exactly one <think>...</think> then one <answer>...</answer> (whitespace around), else 0."""
-    return 1.0 if FORMAT_RE.fullmatch(s.text) else 0.0
+    return 1.0 if FORMAT_RE.fullmatch(t.text) else 0.0
 
 
-def invalid_answer_penalty(s: Sample) -> float:
+def invalid_answer_penalty(t: Turn) -> float:
     """-1 when the answer is missing, malformed or not one of the two arm names; 0 otherwise."""
-    return 0.0 if s.info["action_is_valid"] else -1.0
+    return 0.0 if t.info["action_is_valid"] else -1.0
 
 
 # (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
@@ -282,19 +297,19 @@ RUBRIC = [
 FORMAT_RE_NO_DOTALL = re.compile(FORMAT_RE.pattern)  # the DOTALL trap: '.' stops at "\n", so "<think>\n..." never matches
 
 
-def format_reward_no_dotall(s: Sample) -> float:
+def format_reward_no_dotall(t: Turn) -> float:
     """BROKEN on purpose: FORMAT_RE without re.DOTALL, so any reply whose thinking spans lines scores 0."""
-    return 1.0 if FORMAT_RE_NO_DOTALL.fullmatch(s.text) else 0.0
+    return 1.0 if FORMAT_RE_NO_DOTALL.fullmatch(t.text) else 0.0
 
 
-def think_bonus(s: Sample) -> float:
+def think_bonus(t: Turn) -> float:
     """FARMABLE on purpose: +1 per 100 characters of thinking, whatever the answer."""
-    return len(s.think or "") / 100
+    return len(t.think or "") / 100
 
 
-def think_bonus_gated(s: Sample) -> float:
+def think_bonus_gated(t: Turn) -> float:
     """The fix: the thinking bonus counts only when the answer is valid, and stops growing at 100 characters."""
-    return min(len(s.think or ""), 100) / 100 if s.info["action_is_valid"] else 0.0
+    return min(len(t.think or ""), 100) / 100 if t.info["action_is_valid"] else 0.0
 
 
 RUBRICS = {
@@ -307,11 +322,21 @@ RUBRICS = {
 
 
 def select_rubric(name: str, weights: str) -> list:
-    """RUBRICS[name] with --rubric-weights applied ('format_reward=1,env_reward=0'). Raises ValueError on a bad spec."""
-    rubric = list(RUBRIC if name == "default" else RUBRICS[name])  # RUBRIC read now: a patched RUBRIC is what trains
+    """RUBRICS[name] with --rubric-weights applied. Raises ValueError on a bad spec."""
+    return weighted_rubric(RUBRIC if name == "default" else RUBRICS[name], weights)  # RUBRIC read now: a patched one trains
+
+
+def weighted_rubric(rubric: list, weights: str = "") -> list:
+    """The rubric with --rubric-weights applied ('format_reward=1,env_reward=0'). Raises ValueError on a bad spec,
+    and on component names that are not unique or not names at all (a lambda): they are the logged metric keys."""
+    names = [fn.__name__ for fn, _ in rubric]
+    bad = sorted({n for n in names if names.count(n) > 1 or not n.isidentifier()})
+    if bad:
+        raise ValueError(f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
+                         f"fix: {', '.join(bad)}")
+    rubric = list(rubric)
     for item in filter(None, (x.strip() for x in weights.split(","))):
         key, eq, value = item.partition("=")
-        names = [fn.__name__ for fn, _ in rubric]
         if not eq or key.strip() not in names:
             raise ValueError(f"expected NAME=WEIGHT with NAME one of {', '.join(names)}; got {item!r}")
         w = float(value)  # ValueError if not a number
@@ -321,10 +346,9 @@ def select_rubric(name: str, weights: str) -> list:
     return rubric
 
 
-def score(s: Sample, rubric: Optional[list] = None) -> tuple[float, dict[str, float]]:
-    """Total reward = sum of weight * component (default: RUBRIC); also returns each unweighted component for logging."""
-    rubric = RUBRIC if rubric is None else rubric
-    parts = {fn.__name__: float(fn(s)) for fn, _ in rubric}
+def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float]]:
+    """Turn reward = sum of weight * component; also returns each component's unweighted value for logging."""
+    parts = {fn.__name__: float(fn(t)) for fn, _ in rubric}
     total = sum(w * parts[fn.__name__] for fn, w in rubric)
     return total, parts
 
@@ -432,6 +456,14 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
     return results
 
 
+def vllm_engine(args: Args, model_path: str):
+    """The in-process vLLM engine: its model lives in this process, so a weight push is a plain copy."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    return LLM(**vllm_engine_kwargs(args, model_path))
+
+
 def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
     """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
     return dict(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed,
@@ -482,25 +514,28 @@ class Trajectory:
     prompt_ids: list[int]
     reply_ids: list[int]
     gen_logprobs: list[float]
-    sample: Sample
+    turn: Turn
     score: float
     parts: dict
     state: str = ""  # the observation the model was shown
+    view: dict = field(default_factory=dict)  # env.describe(): the arms, in the order shown
     truncated: bool = False  # the reply hit --max-tokens before its end-of-turn token
     overflow: bool = False  # the prompt left no room under --max-model-len: no reply was generated
 
 
 def rollout_record(t: Trajectory, step: int, split: str) -> dict:
-    """One line of rollouts.jsonl: the trajectory turn by turn (one turn on the bandit), for the report viewer."""
-    s = t.sample
-    turn = dict(state=t.state, text=s.text, think=s.think, answer=s.answer, reward=s.env_reward, rubric=t.parts,
-                actions=[s.answer.strip()] if s.info["action_is_valid"] else [])
-    return dict(step=step, split=split, task="bandit", seed=t.seed, success=bool(s.info["success"]), reward=t.score,
-                turns=[turn])
+    """One line of rollouts.jsonl: the trajectory turn by turn (one turn on the bandit), with the environment's own
+    view (env.describe()), so the report draws it without knowing the task. score = rubric total, env_reward = payout."""
+    s = t.turn
+    turn = dict(state=t.state, view=t.view, text=s.text, think=s.think, answer=s.answer,
+                actions=[s.answer.strip()] if s.info["action_is_valid"] else [], env_reward=s.env_reward, score=t.score,
+                rubric=t.parts)
+    return dict(step=step, split=split, task=TASK, seed=t.seed, success=bool(s.info["success"]), score=t.score,
+                env_reward=s.env_reward, turns=[turn], final_view=None)
 
 
 def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, max_prompt_len: int,
-            rubric: Optional[list] = None) -> list[Trajectory]:
+            rubric: list) -> list[Trajectory]:
     """One episode per seed: reset, prompt, sample a reply, parse, step, score.
 
     A prompt longer than max_prompt_len (= --max-model-len - --max-tokens) gets no reply: the episode ends as an
@@ -521,10 +556,11 @@ def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: floa
     for env, seed, state, p_ids, (r_ids, r_logps) in zip(envs, seeds, states, prompts, replies):
         text = tok.decode([t for t in r_ids if t not in stops], skip_special_tokens=False)
         think, answer = parse_reply(text)
+        view = env.describe()
         _, reward, _, info = env.step(answer if answer is not None else "")
-        sample = Sample(text=text, think=think, answer=answer, env_reward=reward, info=info)
-        total, parts = score(sample, rubric)
-        trajs.append(Trajectory(seed, p_ids, r_ids, r_logps, sample, total, parts, state,
+        turn = Turn(text=text, think=think, answer=answer, env_reward=reward, info=info)
+        turn.reward, turn.parts = score_turn(turn, rubric)
+        trajs.append(Trajectory(seed, p_ids, r_ids, r_logps, turn, turn.reward, turn.parts, state, view,
                                 truncated=bool(r_ids) and r_ids[-1] not in stops, overflow=len(p_ids) > max_prompt_len))
     return trajs
 
@@ -533,7 +569,7 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
     """Prompt left-padded, reply right-padded, so every reply starts at the same column P:
 
         input_ids  (B, P + R):  [pad pad p p p | r r r pad]
-        reply_mask (B, R):                      [1 1 1 0  ]
+        reply_mask (B, R):                      [1 1 1 0  ]   gen_logprobs (B, R): the sampler's log-probs
         group      (B,):        rows with the same prompt share a number (a GRPO group), so the forward passes can
                                 run that prompt once for all of them (see reply_outputs)
     """
@@ -543,16 +579,18 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
     input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + R), dtype=torch.long)
     reply_mask = torch.zeros((B, R))
+    gen_logprobs = torch.zeros((B, R))
     for i, t in enumerate(trajs):
         p, r = len(t.prompt_ids), len(t.reply_ids)
         input_ids[i, P - p : P + r] = torch.tensor(t.prompt_ids + t.reply_ids)
         attn[i, P - p : P + r] = 1
         reply_mask[i, :r] = 1
+        gen_logprobs[i, : len(t.gen_logprobs)] = torch.tensor(t.gen_logprobs, dtype=torch.float)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     distinct = list(dict.fromkeys(tuple(t.prompt_ids) for t in trajs))
     group = torch.tensor([distinct.index(tuple(t.prompt_ids)) for t in trajs])
     batch = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, reply_mask=reply_mask,
-                 reply_ids=input_ids[:, P:], prompt_len=torch.tensor([len(t.prompt_ids) for t in trajs]),
+                 gen_logprobs=gen_logprobs, reply_ids=input_ids[:, P:], prompt_len=torch.tensor([len(t.prompt_ids) for t in trajs]),
                  reply_len=torch.tensor([len(t.reply_ids) for t in trajs]), group=group, P=P)
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
@@ -572,7 +610,7 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
     reply_in = batch["reply_ids"][idx, : r1 - 1]  # (b, r - 1): the last reply token is never an input
     reply_pos = batch["prompt_len"][idx, None] + torch.arange(r1 - 1, device=reply_in.device)  # (b, r - 1)
     view.update(row=row, reply_in=reply_in, reply_pos=reply_pos, reply_mask=batch["reply_mask"][idx, :r1],
-                reply_ids=batch["reply_ids"][idx, :r1], r1=r1, idx=idx)
+                reply_ids=batch["reply_ids"][idx, :r1], r1=r1, cols=r1, idx=idx)
     return view
 
 
@@ -635,22 +673,111 @@ def micro_batches(n: int, size: int, generator=None):
     return [order[i : i + size] for i in range(0, n, size)]
 
 
+@torch.no_grad()
+def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, autocast) -> tuple:
+    """(old log-probs, reference log-probs for the KL term, old values), each (N, C) over the batch's loss columns.
+
+    The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we reuse
+    those log-probs; vLLM's kernels and bf16 differ slightly, so there (recompute) we recompute them, as veRL does.
+    """
+    old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
+    ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
+    policy.eval()
+    with autocast:
+        for idx in micro_batches(len(old_logp), args.micro_batch_size):
+            mb = micro_view(batch, idx)
+            c = mb["cols"]
+            if recompute:
+                old_logp[idx, :c] = policy_forward(policy, mb, args.temperature)[0]
+            if ref is not None:
+                ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
+            if critic is not None:
+                old_values[idx, :c] = critic(mb).float()
+    return old_logp, ref_logp, old_values
+
+
+def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp, ref_logp, old_values, advantages,
+               returns, args: Args, generator, autocast) -> tuple[dict, int]:
+    """--ppo-epochs passes over the rows in shuffled mini-batches (one optimizer step each, gradients accumulated
+    over micro-batches): clipped policy loss - entropy bonus (+ KL) (+ the critic's clipped value loss).
+    Returns (metrics: actor/..., critic/..., skipped updates). An update whose loss or gradient is not finite is
+    skipped whole: one NaN would poison the weights and the Adam state."""
+    policy.train()
+    stats: dict[str, list] = {}
+    skipped = 0
+    for _ in range(args.ppo_epochs):
+        for mini in micro_batches(len(mask), args.mini_batch_size, generator):
+            mini = mini[torch.argsort(batch["group"][mini].cpu(), stable=True)]  # a group's rows together: they share a prompt
+            opt.zero_grad(set_to_none=True)
+            if critic_opt:
+                critic_opt.zero_grad(set_to_none=True)
+            mini_mask, finite = mask[mini], True
+            for idx in micro_batches(len(mini), args.micro_batch_size):
+                mb = micro_view(batch, mini[idx])
+                i, c = mb["idx"], mb["cols"]
+                m = mask[i, :c]  # (b, c)
+                w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # micro-batches add up to the mini-batch loss
+                with autocast:
+                    logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
+                pg, pg_stats = policy_loss(logp, old_logp[i, :c], advantages[i, :c], m, args.clip_low, args.clip_high,
+                                           args.dual_clip or None, args.loss_agg)
+                ent = agg_loss(entropy, m, args.loss_agg)
+                loss = pg - args.entropy_coef * ent
+                if ref is not None:
+                    kl = agg_loss(kl_penalty(logp, ref_logp[i, :c], args.kl_kind), m, args.loss_agg)
+                    loss = loss + args.kl_coef * kl
+                    pg_stats["kl_loss"] = kl.item()
+                if critic is not None:
+                    with autocast:
+                        values = critic(mb)  # (b, c)
+                    vf, vf_stats = value_loss(values, old_values[i, :c], returns[i, :c], m, args.value_clip, args.loss_agg)
+                    loss = loss + vf  # separate parameters and optimizers: one backward serves both
+                    pg_stats.update(vf_stats)
+                finite = finite and bool(torch.isfinite(loss))
+                if finite:
+                    (loss * w).backward()
+                pg_stats["entropy"] = ent.item()
+                for k, v in pg_stats.items():
+                    stats.setdefault(k, []).append(v)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
+            if critic is not None:
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+            if finite and math.isfinite(grad_norm):
+                stats.setdefault("grad_norm", []).append(grad_norm)
+                opt.step()
+                if critic_opt:
+                    critic_opt.step()
+            else:
+                skipped += 1
+    out = {("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()}
+    out["actor/skipped_updates"] = skipped
+    if critic is not None:
+        ret, val_old = returns[mask.bool()], old_values[mask.bool()]
+        out["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
+    return out, skipped
+
+
 ########################################################################################################################
 # MAIN
 ########################################################################################################################
 
 
-def resolve_args(args: Args):
-    """Check every flag and fill the derived defaults. Runs before any model loads; bad input exits with one line."""
-    if args.resume:  # continue with the saved settings; a flag given now (other than its default) still wins
+def resolve_run(args: Args) -> tuple[str, str, str]:
+    """The settings every script resolves alike: a resumed run's saved flags, device, model, backend, presets.
+
+    Returns (device, model, backend). A flag you type always wins; a resumed run keeps its saved settings for the
+    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give.
+    """
+    given = common.given_fields(args)
+    if args.resume:
         if not args.output_dir:
             common.fail("--resume", "needs --output-dir, the folder of the run to continue")
         saved_path = Path(args.output_dir) / "config.json"
         if not saved_path.exists():
             common.fail("--resume", f"no config.json in {args.output_dir}: nothing to resume")
-        saved, defaults = json.loads(saved_path.read_text()), Args()
+        saved = json.loads(saved_path.read_text())
         for f in fields(Args):
-            if f.name in saved and f.name not in ("resume", "overwrite") and getattr(args, f.name) == getattr(defaults, f.name):
+            if f.name in saved and f.name not in given and f.name not in ("resume", "overwrite"):
                 setattr(args, f.name, saved[f.name])
     if args.device == "cuda" and not torch.cuda.is_available():
         common.fail("--device", "cuda requested but no CUDA device is visible")
@@ -670,20 +797,18 @@ def resolve_args(args: Args):
         if backend == "vllm" and not has_vllm:
             common.fail("--backend", "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf")
         backend = "vllm" if has_vllm else "hf"
-    defaults = TINY_DEFAULTS if model == "tiny" else PAPER_DEFAULTS
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    s = args.algo == "starpo-s"
-    args.keep_ratio = args.keep_ratio if args.keep_ratio is not None else (0.25 if s else 1.0)
-    args.kl_coef = args.kl_coef if args.kl_coef is not None else (0.0 if s else 0.001)
-    args.clip_high = args.clip_high if args.clip_high is not None else (0.28 if s else 0.2)
-    args.dual_clip = args.dual_clip if args.dual_clip is not None else (3.0 if s else 0.0)
-    args.val_low_arm_name = args.val_low_arm_name or args.low_arm_name
-    args.val_high_arm_name = args.val_high_arm_name or args.high_arm_name
-    args.output_dir = args.output_dir or f"runs/bandit-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
+        args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
+        for k, v in {**PRESETS[args.preset], **ALGOS[args.algo]}.items():
+            if k not in given:
+                setattr(args, k, v)
+    args.output_dir = args.output_dir or f"runs/{TASK}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return device, model, backend
 
-    checks = [
+
+def common_checks(args: Args) -> list[tuple[str, bool, str]]:
+    """(flag, ok, message) for the flags every script has; each script adds its task's own."""
+    return [
         ("--group-size", args.group_size >= 2 or args.estimator != "grpo", "must be >= 2 with --estimator grpo (a group of one has no baseline)"),
         ("--group-size", args.group_size >= 1, "must be >= 1"),
         ("--n-groups", args.n_groups >= 1, "must be >= 1"),
@@ -709,11 +834,22 @@ def resolve_args(args: Args):
         ("--save-every", args.save_every >= 0, "must be >= 0"),
         ("--keep-checkpoints", args.keep_checkpoints >= 1, "must be >= 1"),
         ("--max-skipped", args.max_skipped >= 1, "must be >= 1"),
+        ("--log-rollouts-every", args.log_rollouts_every >= 0, "must be >= 0"),
+        ("--sample-every", args.sample_every >= 0, "must be >= 0"),
         ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
+        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
+    ]
+
+
+def resolve_args(args: Args):
+    """Check every flag and fill what depends on others. Runs before any model loads; bad input exits in one line."""
+    device, model, backend = resolve_run(args)
+    args.val_low_arm_name = args.val_low_arm_name or args.low_arm_name
+    args.val_high_arm_name = args.val_high_arm_name or args.high_arm_name
+    checks = common_checks(args) + [
         ("--high-arm-prob", 0 <= args.high_arm_prob <= 1, "must be in [0, 1]"),
         ("--high-arm-name", args.low_arm_name.strip().lower() != args.high_arm_name.strip().lower(), "must differ from --low-arm-name"),
         ("--val-high-arm-name", args.val_low_arm_name.strip().lower() != args.val_high_arm_name.strip().lower(), "must differ from --val-low-arm-name"),
-        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
     ]
     for flag, ok, msg in checks:
         if not ok:
@@ -746,17 +882,52 @@ def tiny_warmup_examples(pairs: list[tuple[str, str]], n: int = 1000, seed: int 
     return examples
 
 
-def evaluate(generate, tok, args: Args) -> tuple[dict, list[Trajectory]]:
-    seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
-    env_kwargs = dict(low_name=args.val_low_arm_name, high_name=args.val_high_arm_name, low_reward=args.low_arm_reward,
-                      high_reward=args.high_arm_reward, high_prob=args.high_arm_prob)
-    trajs = rollout(generate, tok, seeds, env_kwargs, args.val_temperature, args.max_model_len - args.max_tokens,
-                    select_rubric(args.rubric, args.rubric_weights))
+def env_kwargs_of(args: Args, split: str) -> dict:
+    low, high = (args.low_arm_name, args.high_arm_name) if split == "train" else (args.val_low_arm_name, args.val_high_arm_name)
+    return dict(low_name=low, high_name=high, low_reward=args.low_arm_reward, high_reward=args.high_arm_reward,
+                high_prob=args.high_arm_prob)
+
+
+def episode_stats(trajs: list[Trajectory], split: str) -> dict:
+    """What the episodes of one batch did, the same keys for train/ and val/ (the README's glossary defines them)."""
+    scores = [t.score for t in trajs]
     return {
-        "val/success": statistics.mean(t.sample.info["success"] for t in trajs),
-        "val/reward": statistics.mean(t.score for t in trajs),
-        "val/action_is_valid": statistics.mean(t.sample.info["action_is_valid"] for t in trajs),
-    }, trajs
+        f"{split}/success": statistics.mean(t.turn.info["success"] for t in trajs),
+        f"{split}/reward": statistics.mean(scores),
+        f"{split}/reward_min": min(scores),
+        f"{split}/reward_max": max(scores),
+        f"{split}/action_is_valid": statistics.mean(t.turn.info["action_is_valid"] for t in trajs),
+        f"{split}/context_overflow": sum(t.overflow for t in trajs),
+    }
+
+
+def reply_stats(trajs: list[Trajectory]) -> dict:
+    """Reply lengths (one reply per episode here) and the rubric's components, averaged."""
+    return {
+        "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
+        "response_length/mean": statistics.mean(len(t.reply_ids) for t in trajs),
+        "think_length/mean": statistics.mean(len(t.turn.think or "") for t in trajs),
+        "sequence_length/mean": statistics.mean(len(t.prompt_ids) + len(t.reply_ids) for t in trajs),
+        **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
+    }
+
+
+def filter_stats(group_std: torch.Tensor, kept: torch.Tensor, trained_rows: int) -> dict:
+    """What the uncertainty filter saw (every group's reward std) and kept."""
+    return {
+        "rollout/in_group_std": group_std.mean().item(),
+        "rollout/chosen_in_group_std": group_std[kept].mean().item(),
+        "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
+        "rollout/kept_groups": len(kept),
+        "rollout/trained_rows": trained_rows,
+    }
+
+
+def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajectory]]:
+    seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
+    trajs = rollout(generate, tok, seeds, env_kwargs_of(args, "val"), args.val_temperature,
+                    args.max_model_len - args.max_tokens, rubric)
+    return episode_stats(trajs, "val"), trajs
 
 
 def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
@@ -776,36 +947,29 @@ def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
     return out
 
 
+def print_sample(step: int, t: Trajectory) -> None:
+    common.write_line(f"--- step {step} sample (seed {t.seed}): score {t.score:+.3f} " + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items()))
+    common.write_line("    " + t.turn.text[:300].replace("\n", "\n    "))
+
+
 def main(argv=None):
-    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, description=__doc__.split("\n")[0]))
+    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS))
     common.seed_everything(args.seed, device)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
-    model_path = model_name
-    if model_name == "tiny":
-        pairs = sorted({(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)})
-        model_path = str(common.build_tiny_model("bandit", tiny_warmup_examples(pairs)))
-    tqdm.write(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  estimator: {args.estimator}")
-    if model_name == "tiny":
-        tqdm.write("tiny model: CPU-sized defaults " + ", ".join(f"{k}={getattr(args, k)}" for k in TINY_DEFAULTS))
-    if resume_from is None:
-        (out_dir / "config.json").write_text(json.dumps(dict(asdict(args), task="bandit", model_path=model_path, device=device, backend=backend), indent=1))
+    pairs = sorted({(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)})
+    model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(pairs))) if model_name == "tiny" else model_name
+    common.write_line(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
+                      f"estimator: {args.estimator}  preset: {args.preset} ("
+                      + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {})) + ")")
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
-    policy_path = str(resume_from / "policy") if resume_from else model_path
-    remote = args.trust_remote_code
-
+    policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
-    llm = None
-    if backend == "vllm":  # build the engine before the optimizer state takes GPU memory
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM
-
-        llm = LLM(**vllm_engine_kwargs(args, policy_path))
+    llm = vllm_engine(args, policy_path) if backend == "vllm" else None  # before the optimizer state takes GPU memory
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
     policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, trust_remote_code=remote).to(device)
     ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=remote).to(device).eval() if args.kl_coef > 0 else None
@@ -814,101 +978,49 @@ def main(argv=None):
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
     shuffle_gen = torch.Generator().manual_seed(args.seed)
-    start_step, history, warned, skipped_in_a_row = 1, [], set(), 0
-    if resume_from is not None:
-        state = common.load_checkpoint_state(resume_from)
-        opt.load_state_dict(state["opt"])
-        if critic is not None:
-            critic.load_state_dict(state["critic"])
-            critic_opt.load_state_dict(state["critic_opt"])
-        common.set_rng_state(state["rng"], shuffle_gen)
-        start_step, history, warned, skipped_in_a_row = state["step"] + 1, state["history"], set(state["warned"]), state["skipped_in_a_row"]
-        for name in ("metrics.jsonl", "rollouts.jsonl"):  # steps after the checkpoint will be run again
-            common.truncate_jsonl(out_dir / name, state["step"])
-        tqdm.write(f"resumed from {resume_from} at step {state['step']}")
-
-    def checkpoint(step: int) -> Path:
-        state = dict(step=step, opt=opt.state_dict(), rng=common.rng_state(shuffle_gen), history=history,
-                     warned=sorted(warned), skipped_in_a_row=skipped_in_a_row)
-        if critic is not None:
-            state.update(critic=critic.state_dict(), critic_opt=critic_opt.state_dict())
-        return common.save_checkpoint(out_dir, step, policy, tok, state, args.keep_checkpoints)
-
-    gen_seconds = [0.0]  # generation time, accumulated by the closure below (the rest of a rollout is the env)
+    rubric = select_rubric(args.rubric, args.rubric_weights)
+    common.write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
+    run = common.Run(args, TASK, f"starpo_{TASK}.py", resume_from, policy, tok, dict(opt=opt, critic=critic, critic_opt=critic_opt),
+                     [shuffle_gen], dict(task=TASK, model_path=model_path, device=device, backend=backend), echo_trap_warnings)
 
     def generate(prompts, temperature):
-        t = time.time()
         policy.eval()
-        if llm is not None:
-            out = vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
-        else:
+        with run.timer("gen"):
+            if llm is not None:
+                return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
             with autocast:
-                out = hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
-        gen_seconds[0] += time.time() - t
-        return out
+                return hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
 
-    env_kwargs = dict(low_name=args.low_arm_name, high_name=args.high_arm_name, low_reward=args.low_arm_reward,
-                      high_reward=args.high_arm_reward, high_prob=args.high_arm_prob)
-    rubric = select_rubric(args.rubric, args.rubric_weights)
-    tqdm.write("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
-    metrics_file = common.Metrics(out_dir / "metrics.jsonl")
-    rollouts_file = common.Metrics(out_dir / "rollouts.jsonl")
-    stop = common.GracefulStop()
-    t_start = time.time()
-    if resume_from is None:
-        val, val_trajs = evaluate(generate, tok, args)
-        for t in val_trajs[:64]:
-            rollouts_file.write(rollout_record(t, 0, "val"))
-        metrics_file.write({"step": 0, **val, "time_s": time.time() - t_start, "timestamp": time.time()})
-        tqdm.write(f"step 0  val/success {val['val/success']:.3f}  val/reward {val['val/reward']:.3f}")
-        build_report(out_dir)  # report.html: rewritten at every evaluation and at the end
-    bar = tqdm(range(start_step, args.steps + 1), desc="starpo-bandit", dynamic_ncols=True, initial=start_step - 1, total=args.steps)
-    for step in bar:
-        t0, gen_seconds[0] = time.time(), 0.0
-        # ---- rollout: n_groups fresh seeds, each shared by group_size rollouts --------------------------------------
-        G, n = args.n_groups, args.group_size
+    if run.fresh:
+        val, val_trajs = evaluate(generate, tok, args, rubric)
+        run.log_eval(0, val, [rollout_record(t, 0, "val") for t in val_trajs[:64]])
+    G, n = args.n_groups, args.group_size
+    for step in run.steps(f"starpo-{TASK}"):
+        # ---- rollout: n_groups fresh seeds, each shared by group_size rollouts ------------------------------------
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
-        trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature,
-                        args.max_model_len - args.max_tokens, rubric)
-        t_gen, t_env = gen_seconds[0], time.time() - t0 - gen_seconds[0]
+        with run.timer("rollout"):
+            trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs_of(args, "train"),
+                            args.temperature, args.max_model_len - args.max_tokens, rubric)
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
 
-        # ---- uncertainty filter: train only on the groups whose rewards disagree most -------------------------------
+        # ---- uncertainty filter: train only on the groups whose rewards disagree most ------------------------------
         group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
         kept = filter_groups(scores, args.keep_ratio, args.filter_mode)  # (K,)
-        rows = torch.cat([torch.arange(g * n, (g + 1) * n) for g in kept.tolist()])  # (K * n,)
-        batch_trajs = [trajs[i] for i in rows.tolist()]
+        batch_trajs = [trajs[g * n + j] for g in kept.tolist() for j in range(n)]  # K * n trajectories
         batch = collate(batch_trajs, tok.pad_token_id, device)
         N, R = batch["reply_mask"].shape
         truncated = torch.tensor([t.truncated for t in batch_trajs], device=device)  # (N,)
         mask = batch["reply_mask"] * (~truncated if args.mask_truncated else torch.ones_like(truncated))[:, None]  # (N, R)
 
-        # ---- old log-probs, reference log-probs, values (no grad) ---------------------------------------------------
-        # The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we
-        # reuse those log-probs; vLLM's kernels and bf16 differ slightly, so there we recompute them, as veRL does.
-        t1 = time.time()
-        old_logp = torch.zeros(N, R, device=device)  # (N, R)
-        for i, t in enumerate(batch_trajs):
-            old_logp[i, : len(t.gen_logprobs)] = torch.tensor(t.gen_logprobs)
-        ref_logp, old_values = torch.zeros(N, R, device=device), torch.zeros(N, R, device=device)  # (N, R) each
-        policy.eval()
-        with torch.no_grad(), autocast:
-            for idx in micro_batches(N, args.micro_batch_size):
-                mb = micro_view(batch, idx)
-                if llm is not None:
-                    old_logp[idx, : mb["r1"]] = policy_forward(policy, mb, args.temperature)[0]
-                if ref is not None:
-                    ref_logp[idx, : mb["r1"]] = policy_forward(ref, mb, args.temperature)[0]
-                if critic is not None:
-                    old_values[idx, : mb["r1"]] = critic(mb).float()
-        t_logprob = time.time() - t1
+        # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
+        with run.timer("logprob"):
+            old_logp, ref_logp, old_values = old_logprobs(policy, ref, critic, batch, args, llm is not None, autocast)
 
-        # ---- advantages -----------------------------------------------------------------------------------------
+        # ---- advantages ------------------------------------------------------------------------------------------
         kept_scores = scores[kept]  # (K, n)
         if args.estimator == "grpo":
-            adv_traj = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1)  # (N,)
-            advantages = adv_traj.to(device)[:, None] * mask  # (N, R): one value for every reply token
-            returns = None
+            adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1)  # (N,)
+            advantages, returns = adv.to(device)[:, None] * mask, None  # (N, R): one value for every reply token
         else:
             token_rewards = torch.zeros(N, R, device=device)  # (N, R): the score sits on the last reply token
             last = (batch["reply_len"] - 1).clamp(min=0)  # an empty reply (context overflow) has no token to carry it
@@ -916,127 +1028,27 @@ def main(argv=None):
             advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
 
-        # ---- PPO update --------------------------------------------------------------------------------------------
-        t2 = time.time()
-        policy.train()
-        stats: dict[str, list] = {}
-        skipped = 0
-        for _ in range(args.ppo_epochs):
-            for mini in micro_batches(N, args.mini_batch_size, shuffle_gen):
-                mini = mini[torch.argsort(batch["group"][mini].cpu(), stable=True)]  # a group's rows together: one prompt pass
-                opt.zero_grad(set_to_none=True)
-                if critic_opt:
-                    critic_opt.zero_grad(set_to_none=True)
-                mini_mask, finite = mask[mini], True
-                for idx in micro_batches(len(mini), args.micro_batch_size):
-                    mb = micro_view(batch, mini[idx])
-                    i, r1 = mb["idx"], mb["r1"]
-                    m = mask[i, :r1]  # (b, r)
-                    w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # micro-batches add up to the mini-batch loss
-                    with autocast:
-                        logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, r) each
-                    pg, pg_stats = policy_loss(logp, old_logp[i, :r1], advantages[i, :r1], m, args.clip_low,
-                                               args.clip_high, args.dual_clip or None, args.loss_agg)
-                    ent = agg_loss(entropy, m, args.loss_agg)
-                    loss = pg - args.entropy_coef * ent
-                    if ref is not None:
-                        kl = agg_loss(kl_penalty(logp, ref_logp[i, :r1], args.kl_kind), m, args.loss_agg)
-                        loss = loss + args.kl_coef * kl
-                        pg_stats["kl_loss"] = kl.item()
-                    if critic is not None:
-                        with autocast:
-                            values = critic(mb)  # (b, r)
-                        vf, vf_stats = value_loss(values, old_values[i, :r1], returns[i, :r1], m, args.value_clip, args.loss_agg)
-                        loss = loss + vf  # separate parameters and optimizers: one backward serves both
-                        pg_stats.update(vf_stats)
-                    finite = finite and bool(torch.isfinite(loss))
-                    if finite:
-                        (loss * w).backward()
-                    pg_stats["entropy"] = ent.item()
-                    for k, v in pg_stats.items():
-                        stats.setdefault(k, []).append(v)
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
-                if critic is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
-                if finite and math.isfinite(grad_norm):
-                    stats.setdefault("grad_norm", []).append(grad_norm)
-                    opt.step()
-                    if critic_opt:
-                        critic_opt.step()
-                else:  # one NaN/inf would poison the weights and the Adam state: skip this update entirely
-                    skipped += 1
-        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-        if llm is not None:
-            vllm_push_weights(llm, policy)
-        t_update = time.time() - t2
+        # ---- PPO update ------------------------------------------------------------------------------------------
+        with run.timer("update"):
+            update_stats, skipped = ppo_update(policy, critic, ref, opt, critic_opt, batch, mask, old_logp, ref_logp,
+                                               old_values, advantages, returns, args, shuffle_gen, autocast)
+            if llm is not None:
+                vllm_push_weights(llm, policy)
 
         # ---- log -------------------------------------------------------------------------------------------------
-        record = {
-            "step": step,
-            "train/success": statistics.mean(t.sample.info["success"] for t in trajs),
-            "train/reward": statistics.mean(t.score for t in trajs),
-            "train/action_is_valid": statistics.mean(t.sample.info["action_is_valid"] for t in trajs),
-            "train/context_overflow": sum(t.overflow for t in trajs),
-            "rollout/in_group_std": group_std.mean().item(),
-            "rollout/chosen_in_group_std": group_std[kept].mean().item(),
-            "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
-            "rollout/kept_groups": len(kept),
-            "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
-            "response_length/mean": statistics.mean(len(t.reply_ids) for t in trajs),
-            "think_length/mean": statistics.mean(len(t.sample.think or "") for t in trajs),
-            **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
-            **{("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()},
-            "actor/skipped_updates": skipped,
-            "timing_s/gen": t_gen,
-            "timing_s/env": t_env,
-            "timing_s/logprob": t_logprob,
-            "timing_s/update": t_update,
-        }
-        if critic is not None:
-            ret, val_old = returns[mask.bool()], old_values[mask.bool()]
-            record["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
-        history.append({k: v for k, v in record.items() if k in ("rollout/in_group_std", "actor/grad_norm")})
-        if skipped:
-            tqdm.write(f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient ({skipped_in_a_row} step(s) in a row)")
-        for w_msg in echo_trap_warnings(history, warned):
-            tqdm.write(f"[echo-trap warning, step {step}] {w_msg}")
-            record["warn/echo_trap"] = 1
+        record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs),
+                  **filter_stats(group_std, kept, N), **update_stats}
         if args.sample_every and step % args.sample_every == 0:
-            t = trajs[0]
-            tqdm.write(f"--- step {step} sample (seed {t.seed}): score {t.score:+.3f} " + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items()))
-            tqdm.write("    " + t.sample.text[:300].replace("\n", "\n    "))
-        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            te = time.time()
-            val, val_trajs = evaluate(generate, tok, args)
-            record.update(val, **{"timing_s/eval": time.time() - te})
-            for t in val_trajs[:64]:
-                rollouts_file.write(rollout_record(t, step, "val"))
+            print_sample(step, trajs[0])
+        if run.eval_due(step):
+            with run.timer("eval"):
+                val, val_trajs = evaluate(generate, tok, args, rubric)
+            record.update(val)
+            run.write_rollouts(rollout_record(t, step, "val") for t in val_trajs[:64])
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            for t in trajs[::n]:
-                rollouts_file.write(rollout_record(t, step, "train"))
-        record["timing_s/step"] = time.time() - t0
-        record["time_s"], record["timestamp"] = time.time() - t_start, time.time()
-        metrics_file.write(record)
-        if "val/success" in record:
-            build_report(out_dir)
-        bar.set_postfix({"succ": f"{record['train/success']:.2f}", "val": f"{record.get('val/success', float('nan')):.2f}",
-                         "std": f"{record['rollout/in_group_std']:.3f}", "ent": f"{record.get('actor/entropy', 0):.2f}"})
-        if skipped_in_a_row >= args.max_skipped:
-            last = common.latest_checkpoint(out_dir)
-            common.fail("--max-skipped", f"{skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
-                                         f"without saving. Last good checkpoint: {last or 'none'}")
-        if step == args.steps or (args.save_every and step % args.save_every == 0) or stop.requested:
-            path = checkpoint(step)
-            if stop.requested and step < args.steps:
-                tqdm.write(f"stopped by {stop.requested} after step {step}; checkpoint {path}. Continue with: "
-                           f"python starpo_bandit.py --resume --output-dir {out_dir}")
-                raise SystemExit(130 if stop.requested == "SIGINT" else 143)
-    metrics_file.close()
-    rollouts_file.close()
-    evals = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "val/success" in r]
-    last = common.latest_checkpoint(out_dir)  # none when --steps 0
-    tqdm.write(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val/success {evals[-1]['val/success']:.3f}; "
-               f"policy: {last / 'policy' if last else 'none saved'}; report: {build_report(out_dir)}")
+            run.write_rollouts(rollout_record(t, step, "train") for t in trajs[::n])
+        run.end_step(step, record, skipped)
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -63,18 +63,16 @@ import random
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
-from tqdm import tqdm
 
 import common
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
-from report import build_report, read_jsonl
 
 
 @dataclass
@@ -83,7 +81,7 @@ class Args:
     seed: int = 0
     """random seed (training seeds, sampling, shuffling)"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl, rollouts.jsonl, config.json and checkpoints go (default: a new runs/frozenlake-... folder)"""
+    """where metrics.jsonl, rollouts.jsonl, config.json and checkpoints go (default: a new folder under runs/)"""
     resume: bool = False
     """continue the run in --output-dir from its newest complete checkpoint"""
     overwrite: bool = False
@@ -93,16 +91,18 @@ class Args:
     # ---- model and generation ----
     model: str = "auto"
     """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
+    preset: Literal["auto", "paper", "tiny"] = "auto"
+    """defaults for the flags you do not give (PRESETS below); auto = tiny for the tiny model, else paper"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
-    max_tokens: Optional[int] = None
-    """max new tokens per turn (paper 400; tiny 24)"""
+    max_tokens: int = 400
+    """max new tokens per turn"""
     max_model_len: int = 3600
-    """longest prompt + reply the model may see; a turn that would not fit ends the episode"""
+    """longest sequence (prompt + all turns) the model may see"""
     temperature: float = 1.0
     """sampling temperature for training rollouts"""
-    top_p: Optional[float] = None
-    """nucleus sampling for training rollouts (paper 1.0; tiny 0.95: see the module docstring)"""
+    top_p: float = 1.0
+    """nucleus sampling for training rollouts"""
     val_temperature: float = 0.5
     """sampling temperature for evaluation"""
     gen_batch_size: int = 256
@@ -119,38 +119,41 @@ class Args:
     max_turns: int = 5
     """turns (replies) per episode"""
     max_actions_per_turn: int = 5
-    """moves read from one answer (more are discarded)"""
+    """moves executed per reply; more are dropped"""
     max_actions_per_traj: int = 10
-    """moves per episode (moves beyond the budget are discarded)"""
+    """moves per episode; moves beyond the remaining budget are dropped"""
     max_context_turns: Optional[int] = None
-    """show the model only the first prompt and the last k turns (default: the whole history)"""
+    """show the model only the first prompt plus the last k turns (each turn becomes its own training row); default: the full history"""
+    # ---- rubric ----
+    rubric_weights: str = ""
+    """change RUBRIC's weights, e.g. 'format_penalty=0.1,format_reward=0.5' (weight 0 = log only)"""
     # ---- algorithm ----
     algo: Literal["starpo", "starpo-s"] = "starpo-s"
     """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
-    estimator: Optional[Literal["gae", "grpo"]] = None
-    """gae = PPO with a critic; grpo = group-normalised trajectory reward (paper gae; tiny grpo)"""
-    n_groups: Optional[int] = None
-    """groups (distinct initial states) per step (paper 8; tiny 8)"""
-    group_size: Optional[int] = None
-    """rollouts per group, all from the same seed (paper 16; tiny 8)"""
-    keep_ratio: Optional[float] = None
-    """uncertainty filter: fraction of groups kept (starpo 1.0, starpo-s 0.25)"""
+    estimator: Literal["gae", "grpo"] = "gae"
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward"""
+    n_groups: int = 8
+    """groups (distinct initial states) per step"""
+    group_size: int = 16
+    """rollouts per group, all from the same seed"""
+    keep_ratio: float = 0.25
+    """uncertainty filter: fraction of groups kept"""
     filter_mode: Literal["std", "std_rev"] = "std"
     """keep the highest-std groups (std) or, as an ablation, the lowest (std_rev)"""
-    kl_coef: Optional[float] = None
-    """weight of the KL-to-reference loss (starpo 0.001, starpo-s 0)"""
+    kl_coef: float = 0.0
+    """weight of the KL-to-reference loss"""
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
     """KL estimator"""
     clip_low: float = 0.2
     """PPO clip below 1"""
-    clip_high: Optional[float] = None
-    """PPO clip above 1 (starpo 0.2, starpo-s 0.28)"""
-    dual_clip: Optional[float] = None
-    """cap on the loss of negative-advantage tokens, > 1 (starpo off, starpo-s 3.0); 0 turns it off"""
+    clip_high: float = 0.28
+    """PPO clip above 1"""
+    dual_clip: float = 3.0
+    """cap on the loss of negative-advantage tokens, > 1; 0 turns it off"""
     entropy_coef: float = 0.001
     """entropy bonus weight"""
-    loss_agg: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]] = None
-    """how per-token losses are reduced (paper token-mean; tiny seq-mean-token-mean: see the module docstring)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses are reduced"""
     norm_adv_by_std: bool = True
     """grpo: divide by the group std (off = Dr. GRPO)"""
     gamma: float = 1.0
@@ -158,16 +161,16 @@ class Args:
     lam: float = 1.0
     """gae lambda"""
     turn_rewards: bool = True
-    """gae: each turn's reward on that turn's last sampled token (--no-turn-rewards: the trajectory score on the final one)"""
+    """gae: each turn's reward on that turn's last sampled token; --no-turn-rewards: the trajectory reward on the final one"""
     value_clip: float = 0.5
     """critic value clip"""
     # ---- optimisation ----
-    steps: Optional[int] = None
-    """training steps (paper 200; tiny 80)"""
-    lr: Optional[float] = None
-    """actor learning rate (paper 1e-6; tiny 2e-4)"""
-    critic_lr: Optional[float] = None
-    """critic learning rate (paper 1e-5; tiny 1e-3)"""
+    steps: int = 200
+    """training steps"""
+    lr: float = 1e-6
+    """actor learning rate"""
+    critic_lr: float = 1e-5
+    """critic learning rate"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     grad_clip: float = 1.0
@@ -175,14 +178,14 @@ class Args:
     ppo_epochs: int = 1
     """passes over each batch"""
     mini_batch_size: int = 32
-    """training rows per optimizer step (a row is a trajectory; with --max-context-turns, one turn)"""
+    """training rows (trajectories, or turns with --max-context-turns) per optimizer step"""
     micro_batch_size: int = 32
     """training rows per forward/backward (gradient accumulation; lower it if memory runs out)"""
     # ---- evaluation and logging ----
-    eval_every: Optional[int] = None
-    """evaluate every N steps (and before training); 0 = only before and after (paper 10; tiny 20)"""
-    val_size: Optional[int] = None
-    """evaluation seeds (paper 256; tiny 256)"""
+    eval_every: int = 10
+    """evaluate every N steps (and before training); 0 = only before and after"""
+    val_size: int = 256
+    """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
     keep_checkpoints: int = 2
@@ -199,13 +202,27 @@ class Args:
     """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
 
 
-PAPER_DEFAULTS = dict(max_tokens=400, top_p=1.0, estimator="gae", loss_agg="token-mean", n_groups=8, group_size=16,
-                      steps=200, lr=1e-6, critic_lr=1e-5, eval_every=10, val_size=256)
-# The tiny model learns from scratch-sized steps: far larger learning rates, short replies, fewer evaluations; GRPO
-# because a tiny critic learns values no faster than the policy learns moves, and doubles the update's cost.
-TINY_DEFAULTS = dict(max_tokens=24, top_p=0.95, estimator="grpo", loss_agg="seq-mean-token-mean", n_groups=8,
-                     group_size=8, steps=80, lr=2e-4, critic_lr=1e-3, eval_every=20, val_size=256)
+
+
+# --preset: the defaults of every flag you do not give. The paper's are the field defaults above. The tiny model
+# learns from scratch-sized steps: far larger learning rates, short replies, fewer evaluations; GRPO because a tiny
+# critic learns values no faster than the policy learns moves, and doubles the update's cost.
+PRESETS = {
+    "paper": {},
+    "tiny": dict(max_tokens=24, top_p=0.95, estimator="grpo", loss_agg="seq-mean-token-mean", group_size=8, steps=80,
+                 lr=2e-4, critic_lr=1e-3, eval_every=20),
+}
+# --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
+ALGOS = {
+    "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
+    "starpo-s": dict(keep_ratio=0.25, kl_coef=0.0, clip_high=0.28, dual_clip=3.0),
+}
+# Tiny-model recipe (keyword arguments of common.build_tiny_model): a longer warm-up than the bandit's, because
+# the format now spans several turns; small batches keep the build short.
+TINY_BUILD = dict(sft_steps=100, sft_batch_size=16)
+TINY_WARMUP_MOVES = 2  # moves in every warm-up answer (see tiny_warmup_examples)
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
+TASK = "frozenlake"
 
 
 ########################################################################################################################
@@ -265,6 +282,9 @@ def transitions(desc: list[str], pos: tuple[int, int], action: int, slippery: bo
     return [(1 / 3, move(d)) for d in ((action - 1) % 4, action, (action + 1) % 4)]
 
 
+LEGEND = {"P": "player", "_": "frozen", "O": "hole", "G": "goal", "X": "player in a hole", "√": "player on goal"}
+
+
 def render(desc: list[str], pos: tuple[int, int]) -> str:
     """RAGEN's symbols: P player, _ frozen, O hole, G goal, X player in a hole, √ player on the goal."""
     rows = []
@@ -297,6 +317,11 @@ class FrozenLakeEnv:
 
     def render(self) -> str:
         return render(self.desc, self.pos)
+
+    def describe(self) -> dict:
+        """The lake as data, for the report's viewer and for rubrics: grid cells, legend, (row, column) positions."""
+        return dict(grid=[row.split(" ") for row in self.render().splitlines()], legend=LEGEND, player=list(self.pos),
+                    goal=list(find(self.desc, "G")))
 
     def cell(self) -> str:
         return self.desc[self.pos[0]][self.pos[1]]
@@ -342,26 +367,43 @@ def success_dp(desc: list[str], budget: int, slippery: bool = True) -> tuple[flo
     return rand[start], best[start]
 
 
+def make_env(args: Args) -> FrozenLakeEnv:
+    return FrozenLakeEnv(size=args.size, p=args.frozen_prob, slippery=args.slippery)
+
+
+def baselines(args: Args) -> dict:
+    """Exact success of the uniformly random and the optimal policy on the evaluation maps (same budget)."""
+    budget = min(args.max_actions_per_traj, args.max_turns * args.max_actions_per_turn)
+    env, pairs = make_env(args), []
+    for seed in [10**9 + i for i in range(args.val_size)]:  # the evaluation set (see evaluate)
+        env.reset(seed)
+        pairs.append(success_dp(env.desc, budget, args.slippery))
+    return {"val/random_success": statistics.mean(p[0] for p in pairs), "val/optimal_success": statistics.mean(p[1] for p in pairs)}
+
+
 ########################################################################################################################
-# RUBRIC — edit me. Each function scores one turn; a trajectory's score is the sum over its turns of the weighted sum.
+# RUBRIC — edit me. Each function scores one turn; the trajectory score is the weighted sum over all its turns.
 ########################################################################################################################
 
 
+# Copied from starpo_sokoban.Turn
 @dataclass
 class Turn:
-    """One turn of an episode, as the rubric sees it."""
+    """One turn of an episode, as the rubric sees it: the reply, what it did, and the world before and after it."""
 
-    state: str  # the lake shown before this turn
-    text: str  # the raw reply, exactly as generated
+    state: str  # the observation shown before this turn (text)
+    text: str  # the raw reply, exactly as generated (stop tokens removed)
     think: Optional[str]  # inside <think>...</think>, None if not well formed
     answer: Optional[str]  # inside <answer>...</answer>, None if missing, repeated or unclosed
-    actions: list[str]  # the moves actually executed, in order
+    actions: list  # the moves actually played this turn
     had_invalid: bool  # the answer had a word that is not a move, or no move at all
     env_reward: float  # what the environment paid for this turn's moves
-    info: dict  # success (on the goal after the turn), action_is_valid (no bad word), effective_moves (moves that moved)
+    infos: list  # the environment's info for each move played (success, action_is_valid, action_is_effective)
+    before: dict = field(default_factory=dict)  # env.describe() before the turn (grid, positions: see ENVIRONMENT)
+    after: dict = field(default_factory=dict)  # env.describe() after the turn: shape rewards on it here, not in rollout
     truncated: bool = False  # the reply hit --max-tokens before its end-of-turn token
-    parts: dict = field(default_factory=dict)  # rubric components, unweighted
-    score: float = 0.0  # weighted sum of the parts
+    parts: dict = field(default_factory=dict)  # rubric components (unweighted)
+    reward: float = 0.0  # weighted sum of the components
 
 
 def env_reward(t: Turn) -> float:
@@ -374,14 +416,16 @@ def format_penalty(t: Turn) -> float:
     return -1.0 if t.had_invalid else 0.0
 
 
+# Copied from starpo_bandit.FORMAT_RE
 FORMAT_RE = re.compile(
     r"\s*<think>(?:(?!</?think>|</?answer>).)*</think>\s*<answer>(?:(?!</?think>|</?answer>).)*</answer>\s*",
     re.DOTALL,  # without DOTALL, '.' stops at newlines and multi-line thinking would never match
 )
 
 
+# Copied from starpo_bandit.format_reward
 def format_reward(t: Turn) -> float:
-    """1 if the reply is exactly one <think>...</think> then one <answer>...</answer>, else 0 (logged only)."""
+    """1 if the reply is exactly one <think>...</think> then one <answer>...</answer> (whitespace around), else 0."""
     return 1.0 if FORMAT_RE.fullmatch(t.text) else 0.0
 
 
@@ -393,10 +437,32 @@ RUBRIC = [
 ]
 
 
-def score(t: Turn) -> tuple[float, dict[str, float]]:
+# Copied from starpo_bandit.weighted_rubric
+def weighted_rubric(rubric: list, weights: str = "") -> list:
+    """The rubric with --rubric-weights applied ('format_reward=1,env_reward=0'). Raises ValueError on a bad spec,
+    and on component names that are not unique or not names at all (a lambda): they are the logged metric keys."""
+    names = [fn.__name__ for fn, _ in rubric]
+    bad = sorted({n for n in names if names.count(n) > 1 or not n.isidentifier()})
+    if bad:
+        raise ValueError(f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
+                         f"fix: {', '.join(bad)}")
+    rubric = list(rubric)
+    for item in filter(None, (x.strip() for x in weights.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in names:
+            raise ValueError(f"expected NAME=WEIGHT with NAME one of {', '.join(names)}; got {item!r}")
+        w = float(value)  # ValueError if not a number
+        if not math.isfinite(w):
+            raise ValueError(f"weight of {key.strip()} must be finite, got {value!r}")
+        rubric = [(fn, w if fn.__name__ == key.strip() else old) for fn, old in rubric]
+    return rubric
+
+
+# Copied from starpo_bandit.score_turn
+def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float]]:
     """Turn reward = sum of weight * component; also returns each component's unweighted value for logging."""
-    parts = {fn.__name__: float(fn(t)) for fn, _ in RUBRIC}
-    total = sum(w * parts[fn.__name__] for fn, w in RUBRIC)
+    parts = {fn.__name__: float(fn(t)) for fn, _ in rubric}
+    total = sum(w * parts[fn.__name__] for fn, w in rubric)
     return total, parts
 
 
@@ -405,27 +471,32 @@ def score(t: Turn) -> tuple[float, dict[str, float]]:
 ########################################################################################################################
 
 SYSTEM_PROMPT = "You're a helpful assistant. You always think before you answer."
-RULES_PROMPT = (
+RULES = (
     "FrozenLake: reach the goal, do not fall into a hole. The ice is slippery: a move goes the way you chose "
     "1/3 of the time, else to one of the two sides.\n"
     "Symbols: P you, _ ice, O hole, G goal, X you in a hole, √ you on the goal.\n"
-    "Moves: Left, Down, Right, Up. Answer 1 to {per_turn} moves a turn, separated by ||. You have {budget} moves in all."
+    "Moves: Left, Down, Right, Up. Answer 1 to {per_turn} moves a turn, separated by ||. You have {per_traj} moves in all."
 )
 FORMAT_PROMPT = "Reply: <think> [your thoughts] </think> <answer> [your moves] </answer>"
 
 
-def turn_prompt(turn: int, state: str, actions_left: int, last_reward: Optional[float] = None) -> str:
-    """One turn's user message: the last turn's reward (from turn 2 on), the lake, the moves left, the format."""
-    head = "" if last_reward is None else f"Reward: {last_reward:g}\n"
-    return f"{head}Turn {turn}:\nState:\n{state}\nMoves left: {actions_left}\n{FORMAT_PROMPT}"
+def state_message(turn: int, obs: str, actions_left: int) -> str:
+    return f"Turn {turn}:\nState:\n{obs}\nMoves left: {actions_left}\n{FORMAT_PROMPT}"
 
 
-def first_messages(state: str, per_turn: int, budget: int) -> list[dict]:
-    rules = RULES_PROMPT.format(per_turn=per_turn, budget=budget)
+def first_messages(obs: str, args: Args) -> list[dict]:
+    """System + turn 1: the rules, legend, legal moves, budget and separator, then the first lake."""
+    rules = RULES.format(per_turn=args.max_actions_per_turn, per_traj=args.max_actions_per_traj)
     return [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": rules + "\n" + turn_prompt(1, state, budget)}]
+            {"role": "user", "content": rules + "\n" + state_message(1, obs, args.max_actions_per_traj)}]
 
 
+def feedback_message(reward: float, turn: int, obs: str, actions_left: int) -> str:
+    """The next user message: last turn's reward, the new lake, the moves left and the format instruction."""
+    return f"Reward: {reward:g}\n" + state_message(turn, obs, actions_left)
+
+
+# Copied from starpo_bandit._between
 def _between(text: str, tag: str) -> Optional[str]:
     """Content of the single <tag>...</tag> in text; None if the tag is missing, repeated, nested or unclosed."""
     open_tag, close_tag = f"<{tag}>", f"</{tag}>"
@@ -435,22 +506,25 @@ def _between(text: str, tag: str) -> Optional[str]:
     return text[start:end].strip() if start <= end else None
 
 
+# Copied from starpo_bandit.parse_reply
 def parse_reply(text: str) -> tuple[Optional[str], Optional[str]]:
     """(think, answer) from a reply. Never raises, never evaluates anything: plain string search only."""
     return _between(text, "think"), _between(text, "answer")
 
 
+# Copied from starpo_sokoban.parse_actions
 def parse_actions(answer: Optional[str], max_actions: int) -> tuple[list[str], bool]:
-    """RAGEN's rule: split on '||', match each piece to a move (case-insensitive). -> (moves, had_invalid).
+    """Moves in an answer ("Up || left"): canonical names, at most max_actions; flag = any invalid word or none at all.
 
-    Pieces that are not moves (empty ones included) are dropped and set the flag; so does an answer with no move.
-    At most max_actions moves are kept; the caller trims further to what is left of the episode's budget.
+    Words are split on "||" and matched case-insensitively; a word that is not a move (an empty one included) is
+    dropped and sets the flag, as does an answer with no move in it (RAGEN's rules).
     """
-    lookup = {a.lower(): a for a in ACTIONS}
-    pieces = [p.strip().lower() for p in (answer or "").split("||")]
-    actions = [lookup[p] for p in pieces if p in lookup]
-    had_invalid = len(actions) < len(pieces) or not actions
-    return actions[:max_actions], had_invalid
+    if answer is None:
+        return [], True
+    lookup = {name.lower(): name for name in ACTIONS}
+    words = [w.strip().lower() for w in answer.split("||")]
+    actions = [lookup[w] for w in words if w in lookup]
+    return actions[:max_actions], len(actions) < len(words) or not actions
 
 
 ########################################################################################################################
@@ -458,12 +532,14 @@ def parse_actions(answer: Optional[str], max_actions: int) -> tuple[list[str], b
 ########################################################################################################################
 
 
+# Copied from starpo_bandit.stop_token_ids
 def stop_token_ids(tok) -> list[int]:
     """Token ids that end a reply: Qwen's <|im_end|> and <|endoftext|>, plus the tokenizer's eos."""
     ids = {tok.eos_token_id} | {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()}
     return sorted(i for i in ids if i is not None)
 
 
+# Copied from starpo_bandit.cut_at_stop
 def cut_at_stop(ids: list[int], logps: list[float], stops: list[int]) -> tuple[list[int], list[float]]:
     """Keep tokens up to and including the first stop token (the model emitted it, so it is trained too)."""
     for i, t in enumerate(ids):
@@ -472,6 +548,7 @@ def cut_at_stop(ids: list[int], logps: list[float], stops: list[int]) -> tuple[l
     return ids, logps
 
 
+# Copied from starpo_bandit.top_p_filter
 def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p. z: (B, V) logits."""
     if top_p >= 1.0:
@@ -482,6 +559,7 @@ def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
     return z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
 
 
+# Copied from starpo_bandit.hf_generate
 @torch.no_grad()
 def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size):
     """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
@@ -530,6 +608,16 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
     return results
 
 
+# Copied from starpo_bandit.vllm_engine
+def vllm_engine(args: Args, model_path: str):
+    """The in-process vLLM engine: its model lives in this process, so a weight push is a plain copy."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    return LLM(**vllm_engine_kwargs(args, model_path))
+
+
+# Copied from starpo_bandit.vllm_engine_kwargs
 def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
     """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
     return dict(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed,
@@ -539,12 +627,14 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
                 generation_config="vllm")  # ignore the checkpoint's sampling defaults and extra eos ids
 
 
+# Copied from starpo_bandit.vllm_sampling_kwargs
 def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stops: list[int]) -> dict:
     """Keyword arguments for vllm.SamplingParams: same semantics as hf_generate (no top-k, no penalties)."""
     return dict(n=1, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, stop_token_ids=stops,
                 logprobs=0, skip_special_tokens=False)
 
 
+# Copied from starpo_bandit.vllm_generate
 def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
     from vllm import SamplingParams
 
@@ -562,6 +652,7 @@ def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
     return results
 
 
+# Copied from starpo_bandit.vllm_push_weights
 def vllm_push_weights(llm, model) -> None:
     """Copy the freshly updated policy into vLLM's copy, then drop prefixes cached under the old weights."""
     runner = llm.llm_engine.model_executor.driver_worker.model_runner.model
@@ -574,26 +665,31 @@ def vllm_push_weights(llm, model) -> None:
 ########################################################################################################################
 
 
+# Copied from starpo_sokoban.Trajectory
 @dataclass
 class Trajectory:
-    """One episode as ONE token sequence: first prompt, then per turn the sampled reply and the next observation.
+    """One episode as ONE growing token sequence: first prompt, then per turn the sampled reply and the feedback.
 
     ids are the exact sampled tokens (never re-tokenised from text) with the observation tokens between them;
-    mask is 1 exactly on the sampled tokens; gen_logprobs are the sampler's log-probs (0 where mask is 0).
+    ids[:first_len] is the chat-formatted first prompt; mask is 1 exactly on the sampled reply tokens; gen_logprobs
+    holds their generation-time log-probs (0 elsewhere); turn_start[j] / turn_last_index[j] are the index of turn j's
+    first / last sampled token, turn_prompt_start[j] where its context resumed after the first prompt.
     """
 
     seed: int
-    ids: list[int]
-    mask: list[int]
-    gen_logprobs: list[float]
-    first_len: int  # length of the first prompt (system + rules + first lake)
-    turn_starts: list[int] = field(default_factory=list)  # index in ids of each turn's first reply token
-    turn_last_index: list[int] = field(default_factory=list)  # index in ids of each turn's last sampled token
-    turns: list[Turn] = field(default_factory=list)
-    score: float = 0.0  # sum of the turns' scores
-    parts: dict = field(default_factory=dict)  # each rubric component summed over the turns
+    first_len: int
+    ids: list
+    mask: list
+    gen_logprobs: list
+    turn_start: list = field(default_factory=list)
+    turn_last_index: list = field(default_factory=list)
+    turn_prompt_start: list = field(default_factory=list)
+    turns: list = field(default_factory=list)  # Turn records
     success: bool = False
-    context_overflow: bool = False  # ended because the next turn would not fit in max_model_len
+    context_overflow: bool = False  # the next turn could not fit under --max-model-len: the episode ended early
+    num_actions: int = 0
+    score: float = 0.0  # sum of the turns' rubric rewards
+    parts: dict = field(default_factory=dict)  # rubric components summed over turns
 
     @property
     def truncated(self) -> bool:
@@ -601,158 +697,189 @@ class Trajectory:
         return any(turn.truncated for turn in self.turns)
 
 
+# Copied from starpo_sokoban.rollout_record
 def rollout_record(t: Trajectory, step: int, split: str) -> dict:
-    """One line of rollouts.jsonl: the trajectory turn by turn, for the report viewer (it draws each turn's lake)."""
-    turns = [dict(state=turn.state, text=turn.text, think=turn.think, answer=turn.answer, reward=turn.env_reward,
-                  rubric=turn.parts, actions=turn.actions) for turn in t.turns]
-    return dict(step=step, split=split, task="frozenlake", seed=t.seed, success=bool(t.success), reward=t.score,
-                turns=turns)
+    """One line of rollouts.jsonl: the trajectory turn by turn, with the environment's own view of every state
+    (env.describe()), so the report draws it without knowing the task. score = rubric total, env_reward = payout."""
+    turns = [dict(state=turn.state, view=turn.before, text=turn.text, think=turn.think, answer=turn.answer,
+                  actions=turn.actions, env_reward=turn.env_reward, score=turn.reward, rubric=turn.parts)
+             for turn in t.turns]
+    final = t.turns[-1].after if t.turns else None  # the world after the last move: a solved room, a goal reached
+    return dict(step=step, split=split, task=TASK, seed=t.seed, success=bool(t.success), score=t.score,
+                env_reward=sum(turn.env_reward for turn in t.turns), turns=turns, final_view=final)
 
 
-def context_ids(t: Trajectory, j: int, max_context_turns: Optional[int]) -> list[int]:
-    """The prompt for turn j (0-based): the whole history, or the first prompt plus the last k turns."""
-    end = t.turn_starts[j] if j < len(t.turn_starts) else len(t.ids)
-    if max_context_turns is None or j <= max_context_turns:
-        return t.ids[:end]
-    return t.ids[: t.first_len] + t.ids[t.turn_starts[j - max_context_turns] : end]
+# Copied from starpo_sokoban.context_ids
+def context_ids(t: Trajectory, k: Optional[int]) -> tuple[list[int], int]:
+    """The prompt for the next turn and where its history resumes in t.ids: everything, or first prompt + last k turns."""
+    n = len(t.turns)
+    if k is None or n <= k:
+        return list(t.ids), t.first_len  # a copy: t.ids keeps growing after the prompt is handed out
+    resume = t.turn_start[n - k]
+    return t.ids[: t.first_len] + t.ids[resume:], resume
 
 
-def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, args: Args) -> list[Trajectory]:
+# Copied from starpo_sokoban.rollout
+def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rubric: list) -> list[Trajectory]:
     """Play one episode per seed, all episodes advancing together: ONE batched generate call per turn.
 
-    An episode ends at the goal, in a hole, when its move budget is spent, after --max-turns, or when its next turn
-    would not fit under --max-model-len (counted in train/context_overflow; a first prompt that does not fit gets no
-    turn at all) instead of crashing the model mid-batch.
+    The environment is used only through reset(seed) -> obs and step(action) -> (obs, reward, done, info), plus
+    describe() for the record. An episode ends when the environment says done, when its move budget is spent,
+    after --max-turns, or when its next turn would not fit under --max-model-len (train/context_overflow; a first
+    prompt that does not fit gets no turn at all) instead of crashing the model mid-batch.
     """
-    envs = [FrozenLakeEnv(**env_kwargs) for _ in seeds]
-    budget = args.max_actions_per_traj
+    envs = [make_env(args) for _ in seeds]
+    obs = [env.reset(seed) for env, seed in zip(envs, seeds)]
     trajs = []
-    for env, seed in zip(envs, seeds):
-        text = tok.apply_chat_template(first_messages(env.reset(seed), args.max_actions_per_turn, budget),
-                                       add_generation_prompt=True, tokenize=False)
+    for o, seed in zip(obs, seeds):
+        text = tok.apply_chat_template(first_messages(o, args), add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        trajs.append(Trajectory(seed, ids, [0] * len(ids), [0.0] * len(ids), len(ids)))
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        trajs.append(Trajectory(seed, len(ids), list(ids), [0] * len(ids), [0.0] * len(ids)))
     stops = set(stop_token_ids(tok))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
     active = [i for i, t in enumerate(trajs) if len(t.ids) + args.max_tokens <= args.max_model_len]
     for i in set(range(len(trajs))) - set(active):
         trajs[i].context_overflow = True
-    for j in range(args.max_turns):
+    for turn_no in range(1, args.max_turns + 1):
         if not active:
             break
-        replies = generate([context_ids(trajs[i], j, args.max_context_turns) for i in active], temperature)
-        still = []
-        for i, (r_ids, r_logps) in zip(active, replies):
+        contexts = [context_ids(trajs[i], args.max_context_turns) for i in active]
+        replies = generate([c for c, _ in contexts], temperature)
+        still_active = []
+        for i, (_, resume), (r_ids, r_logps) in zip(active, contexts, replies):
             t, env = trajs[i], envs[i]
-            state = env.render()
-            # ---- append the exact sampled tokens: they are what the update trains on ----
-            t.turn_starts.append(len(t.ids))
+            state, before = obs[i], env.describe()
+            # ---- parse and act: invalid words dropped, moves beyond the episode's budget discarded ----
+            text = tok.decode([x for x in r_ids if x not in stops], skip_special_tokens=False)
+            think, answer = parse_reply(text)
+            actions, had_invalid = parse_actions(answer, args.max_actions_per_turn)
+            reward, played, infos, done = 0.0, [], [], False
+            for a in actions[: args.max_actions_per_traj - t.num_actions]:
+                obs[i], r, done, info = env.step(a)
+                reward, t.num_actions = reward + r, t.num_actions + 1  # a reward on the last allowed move counts
+                played.append(a)
+                infos.append(info)
+                if done:
+                    break  # moves after the episode ends are not played
+            # ---- append the exact sampled tokens; a reply cut at max_tokens gets a NON-trained <|im_end|> ----
+            t.turn_prompt_start.append(resume)
+            t.turn_start.append(len(t.ids))
             t.ids += r_ids
             t.mask += [1] * len(r_ids)
             t.gen_logprobs += r_logps
             t.turn_last_index.append(len(t.ids) - 1)  # (an empty reply: the untrained token before it)
-            truncated = bool(r_ids) and r_ids[-1] not in stops
-            if not r_ids or r_ids[-1] != im_end:  # cut at max_tokens (or another stop): close the turn, not trained
-                t.ids.append(im_end)
-                t.mask.append(0)
-                t.gen_logprobs.append(0.0)
-            # ---- parse and act: invalid words dropped, moves beyond the budget discarded ----
-            text = tok.decode([x for x in r_ids if x not in stops], skip_special_tokens=False)
-            think, answer = parse_reply(text)
-            actions, had_invalid = parse_actions(answer, args.max_actions_per_turn)
-            used = sum(len(turn.actions) for turn in t.turns)
-            executed, reward, done, effective = [], 0.0, False, 0
-            for a in actions[: budget - used]:
-                _, r, done, step_info = env.step(a)
-                executed.append(a)
-                reward += r  # a reward earned on the last allowed action counts: it is added before any budget check
-                effective += step_info["action_is_effective"]
-                if done:
-                    break
-            info = {"success": env.cell() == "G", "action_is_valid": not had_invalid, "effective_moves": effective}
-            turn = Turn(state, text, think, answer, executed, had_invalid, reward, info, truncated=truncated)
-            turn.score, turn.parts = score(turn)
+            if not r_ids or r_ids[-1] != im_end:
+                t.ids, t.mask, t.gen_logprobs = t.ids + [im_end], t.mask + [0], t.gen_logprobs + [0.0]
+            turn = Turn(state, text, think, answer, played, had_invalid, reward, infos, before, env.describe(),
+                        truncated=bool(r_ids) and r_ids[-1] not in stops)
+            turn.reward, turn.parts = score_turn(turn, rubric)
             t.turns.append(turn)
-            t.score += turn.score
-            for k, v in turn.parts.items():
-                t.parts[k] = t.parts.get(k, 0.0) + v
-            t.success = info["success"]
-            left = budget - used - len(executed)
-            if done or left <= 0 or j + 1 == args.max_turns:
+            t.success = infos[-1]["success"] if infos else t.success
+            left = args.max_actions_per_traj - t.num_actions
+            if done or left <= 0 or turn_no == args.max_turns:
                 continue  # episode over: no observation after the final turn
-            # ---- the observation: reward of the last turn, the new lake, moves left ----
-            obs = "\n<|im_start|>user\n" + turn_prompt(j + 2, env.render(), left, turn.score) + "<|im_end|>\n<|im_start|>assistant\n"
-            obs_ids = tok(obs, add_special_tokens=False)["input_ids"]
-            if len(context_ids(t, j + 1, args.max_context_turns)) + len(obs_ids) + args.max_tokens > args.max_model_len:
-                t.context_overflow = True  # the next turn would not fit: end the episode here
+            # ---- the feedback: last turn's reward, the new state, the moves left ----
+            feedback = feedback_message(turn.reward, turn_no + 1, obs[i], left)
+            obs_ids = tok("\n<|im_start|>user\n" + feedback + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+            next_len = len(context_ids(t, args.max_context_turns)[0]) + len(obs_ids)  # the next turn's prompt
+            if next_len + args.max_tokens > args.max_model_len:
+                t.context_overflow = True  # the next turn could not fit: the episode ends here
                 continue
             t.ids += obs_ids
             t.mask += [0] * len(obs_ids)
             t.gen_logprobs += [0.0] * len(obs_ids)
-            still.append(i)
-        active = still
+            still_active.append(i)
+        active = still_active
+    for t in trajs:
+        t.score = sum(turn.reward for turn in t.turns)
+        t.parts = {fn.__name__: sum(turn.parts[fn.__name__] for turn in t.turns) for fn, _ in rubric}
     return trajs
 
 
+# Copied from starpo_sokoban.Row
 @dataclass
 class Row:
-    """One training sequence: a whole trajectory, or (with --max-context-turns) one turn with the context it saw."""
+    """One training row: token ids with the trained mask and generation log-probs, and its turns' last indices."""
 
-    traj: int  # index of its trajectory in the batch
-    ids: list[int]
-    mask: list[int]
-    gen_logprobs: list[float]
-    rewards: dict  # {index in ids of a sampled token: reward placed on it} (gae)
+    traj: int  # index of its trajectory in the step's batch
+    ids: list
+    mask: list
+    gen_logprobs: list
+    last_index: list  # index in ids of each turn's last sampled token (one per turn the row holds)
+    turn_ids: list  # which turns of the trajectory those are
+    first_len: int  # every row starts with its trajectory's first prompt: rows of one group share it
 
 
-def training_rows(trajs: list[Trajectory], max_context_turns: Optional[int], turn_rewards: bool) -> list[Row]:
-    """Trajectories -> rows. Rewards for gae: each turn's score on its last sampled token, or the trajectory score on
-    the final one. A windowed row (one turn) gets the return-to-go from its turn on (gamma = 1)."""
+# Copied from starpo_sokoban.training_rows
+def training_rows(trajs: list[Trajectory], k: Optional[int]) -> list[Row]:
+    """Full history: one row per trajectory. --max-context-turns k: one row per turn, its context exactly as generated."""
     rows = []
-    for k, t in enumerate(trajs):
-        n = len(t.turns)
-        rewards = [turn.score for turn in t.turns] if turn_rewards else [0.0] * (n - 1) + [t.score]
-        if max_context_turns is None or n == 0:  # (no turn at all, after a context overflow: one untrained row)
-            rows.append(Row(k, t.ids, t.mask, t.gen_logprobs, dict(zip(t.turn_last_index, rewards))))
+    for n, t in enumerate(trajs):
+        if k is None or not t.turns:  # (no turns: the first prompt overflowed; a row with nothing to train)
+            rows.append(Row(n, t.ids, t.mask, t.gen_logprobs, list(t.turn_last_index), list(range(len(t.turns))), t.first_len))
             continue
-        for j in range(n):
-            ctx = context_ids(t, j, max_context_turns)
-            s, e = t.turn_starts[j], t.turn_last_index[j] + 1
-            rows.append(Row(k, ctx + t.ids[s:e], [0] * len(ctx) + t.mask[s:e], [0.0] * len(ctx) + t.gen_logprobs[s:e],
-                            {len(ctx) + e - 1 - s: sum(rewards[j:])}))
+        for j in range(len(t.turns)):
+            start, end = t.turn_start[j], t.turn_last_index[j] + 1  # this turn's sampled reply
+            prefix = list(range(t.first_len)) + list(range(t.turn_prompt_start[j], start))  # the context it was sampled in
+            idx = prefix + list(range(start, end))
+            rows.append(Row(n, [t.ids[i] for i in idx], [0] * len(prefix) + t.mask[start:end],
+                            [0.0] * len(prefix) + t.gen_logprobs[start:end], [len(idx) - 1], [j], t.first_len))
     return rows
 
 
-def collate(rows: list[Row], pad_id: int, device) -> dict:
-    """Right-pad the rows. Position t of the shifted tensors is about predicting ids[t + 1]:
+# Copied from starpo_sokoban.place_rewards
+def place_rewards(rows: list[Row], trajs: list[Trajectory], width: int, turn_rewards: bool) -> torch.Tensor:
+    """GAE's token rewards (rows, width): zeros, and each turn's reward on that turn's last sampled token.
 
-        input_ids  (B, L):      [p p p r r o o r r pad]
-        loss_mask  (B, L - 1):    [0 0 1 1 0 0 1 1 0  ]   = mask[1:]: only sampled tokens are trained
+    --no-turn-rewards puts the whole trajectory score on the final sampled token instead. A row that holds one turn
+    (--max-context-turns) gets the Monte-Carlo return-to-go (gamma = 1) of the turn rewards from its turn on, since
+    the turns after it live in other rows. Column t of the result scores token t + 1 of the row.
     """
-    L = max(len(r.ids) for r in rows)
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        t = trajs[r.traj]
+        turn_r = [turn.reward for turn in t.turns]
+        if not turn_rewards:
+            turn_r = [0.0] * (len(turn_r) - 1) + [t.score]
+        whole = len(r.turn_ids) == len(t.turns)  # a full-history row
+        for last, j in zip(r.last_index, r.turn_ids):
+            out[i, last - 1] = turn_r[j] if whole else sum(turn_r[j:])
+    return out
+
+
+# Copied from starpo_sokoban.collate
+def collate(rows: list[Row], pad_id: int, device) -> dict:
+    """Rows right-padded to T. Column t of the (B, T - 1) loss tensors scores ids[t + 1] given ids[: t + 1]:
+
+        input_ids (B, T):      [p p p r r o o r r pad]
+        loss_mask (B, T - 1):    [0 0 1 1 0 0 1 1 0  ]   = mask[1:]: 1 = sampled by the model
+        group     (B,):        rows with the same first prompt share a number (a group), so an update's
+                               mini-batch keeps a group together
+    """
+    T = max(len(r.ids) for r in rows)
     B = len(rows)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L))
-    gen_logp = torch.zeros((B, L))
-    rewards = torch.zeros((B, L))
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T))
+    gen_logprobs = torch.zeros((B, T))
     for i, r in enumerate(rows):
         input_ids[i, : len(r.ids)] = torch.tensor(r.ids)
         attn[i, : len(r.ids)] = 1
         mask[i, : len(r.ids)] = torch.tensor(r.mask, dtype=torch.float)
-        gen_logp[i, : len(r.ids)] = torch.tensor(r.gen_logprobs)
-        for pos, value in r.rewards.items():
-            rewards[i, pos] = value
+        gen_logprobs[i, : len(r.ids)] = torch.tensor(r.gen_logprobs)
+    distinct = list(dict.fromkeys(tuple(r.ids[: r.first_len]) for r in rows))
+    group = torch.tensor([distinct.index(tuple(r.ids[: r.first_len])) for r in rows])
     batch = dict(input_ids=input_ids, attention_mask=attn, targets=input_ids[:, 1:], loss_mask=mask[:, 1:],
-                 gen_logp=gen_logp[:, 1:], token_rewards=rewards[:, 1:], length=attn.sum(-1))
+                 gen_logprobs=gen_logprobs[:, 1:], length=attn.sum(-1), group=group)
     return {k: v.to(device) for k, v in batch.items()}
 
 
+# Copied from starpo_sokoban.micro_view
 def micro_view(batch: dict, idx: torch.Tensor) -> dict:
-    """Rows idx of the batch, with columns trimmed to the longest row among them."""
+    """Rows idx of the batch, with columns trimmed to the longest row among them: loss columns 0 .. cols - 1."""
     L = int(batch["length"][idx].max())
     view = {k: batch[k][idx, :L] for k in ("input_ids", "attention_mask")}
-    view.update({k: batch[k][idx, : L - 1] for k in ("targets", "loss_mask")}, L=L, idx=idx)
+    view.update({k: batch[k][idx, : L - 1] for k in ("targets", "loss_mask")}, cols=L - 1, idx=idx)
     return view
 
 
@@ -761,6 +888,7 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
 ########################################################################################################################
 
 
+# Copied from starpo_sokoban.Critic
 class Critic(nn.Module):
     """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
 
@@ -778,6 +906,7 @@ class Critic(nn.Module):
         return self.head(h[:, :-1].float()).squeeze(-1)  # (b, L - 1): the state just before each next token
 
 
+# Copied from starpo_sokoban.policy_forward
 def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the sampled tokens, (b, L - 1), zero elsewhere.
 
@@ -794,9 +923,96 @@ def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, t
     return logp, entropy
 
 
+# Copied from starpo_bandit.micro_batches
 def micro_batches(n: int, size: int, generator=None):
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     return [order[i : i + size] for i in range(0, n, size)]
+
+
+# Copied from starpo_bandit.old_logprobs
+@torch.no_grad()
+def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, autocast) -> tuple:
+    """(old log-probs, reference log-probs for the KL term, old values), each (N, C) over the batch's loss columns.
+
+    The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we reuse
+    those log-probs; vLLM's kernels and bf16 differ slightly, so there (recompute) we recompute them, as veRL does.
+    """
+    old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
+    ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
+    policy.eval()
+    with autocast:
+        for idx in micro_batches(len(old_logp), args.micro_batch_size):
+            mb = micro_view(batch, idx)
+            c = mb["cols"]
+            if recompute:
+                old_logp[idx, :c] = policy_forward(policy, mb, args.temperature)[0]
+            if ref is not None:
+                ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
+            if critic is not None:
+                old_values[idx, :c] = critic(mb).float()
+    return old_logp, ref_logp, old_values
+
+
+# Copied from starpo_bandit.ppo_update
+def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp, ref_logp, old_values, advantages,
+               returns, args: Args, generator, autocast) -> tuple[dict, int]:
+    """--ppo-epochs passes over the rows in shuffled mini-batches (one optimizer step each, gradients accumulated
+    over micro-batches): clipped policy loss - entropy bonus (+ KL) (+ the critic's clipped value loss).
+    Returns (metrics: actor/..., critic/..., skipped updates). An update whose loss or gradient is not finite is
+    skipped whole: one NaN would poison the weights and the Adam state."""
+    policy.train()
+    stats: dict[str, list] = {}
+    skipped = 0
+    for _ in range(args.ppo_epochs):
+        for mini in micro_batches(len(mask), args.mini_batch_size, generator):
+            mini = mini[torch.argsort(batch["group"][mini].cpu(), stable=True)]  # a group's rows together: they share a prompt
+            opt.zero_grad(set_to_none=True)
+            if critic_opt:
+                critic_opt.zero_grad(set_to_none=True)
+            mini_mask, finite = mask[mini], True
+            for idx in micro_batches(len(mini), args.micro_batch_size):
+                mb = micro_view(batch, mini[idx])
+                i, c = mb["idx"], mb["cols"]
+                m = mask[i, :c]  # (b, c)
+                w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # micro-batches add up to the mini-batch loss
+                with autocast:
+                    logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
+                pg, pg_stats = policy_loss(logp, old_logp[i, :c], advantages[i, :c], m, args.clip_low, args.clip_high,
+                                           args.dual_clip or None, args.loss_agg)
+                ent = agg_loss(entropy, m, args.loss_agg)
+                loss = pg - args.entropy_coef * ent
+                if ref is not None:
+                    kl = agg_loss(kl_penalty(logp, ref_logp[i, :c], args.kl_kind), m, args.loss_agg)
+                    loss = loss + args.kl_coef * kl
+                    pg_stats["kl_loss"] = kl.item()
+                if critic is not None:
+                    with autocast:
+                        values = critic(mb)  # (b, c)
+                    vf, vf_stats = value_loss(values, old_values[i, :c], returns[i, :c], m, args.value_clip, args.loss_agg)
+                    loss = loss + vf  # separate parameters and optimizers: one backward serves both
+                    pg_stats.update(vf_stats)
+                finite = finite and bool(torch.isfinite(loss))
+                if finite:
+                    (loss * w).backward()
+                pg_stats["entropy"] = ent.item()
+                for k, v in pg_stats.items():
+                    stats.setdefault(k, []).append(v)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
+            if critic is not None:
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+            if finite and math.isfinite(grad_norm):
+                stats.setdefault("grad_norm", []).append(grad_norm)
+                opt.step()
+                if critic_opt:
+                    critic_opt.step()
+            else:
+                skipped += 1
+    out = {("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()}
+    out["actor/skipped_updates"] = skipped
+    if critic is not None:
+        ret, val_old = returns[mask.bool()], old_values[mask.bool()]
+        out["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
+    return out, skipped
 
 
 ########################################################################################################################
@@ -804,17 +1020,23 @@ def micro_batches(n: int, size: int, generator=None):
 ########################################################################################################################
 
 
-def resolve_args(args: Args):
-    """Check every flag and fill the derived defaults. Runs before any model loads; bad input exits with one line."""
-    if args.resume:  # continue with the saved settings; a flag given now (other than its default) still wins
+# Copied from starpo_bandit.resolve_run
+def resolve_run(args: Args) -> tuple[str, str, str]:
+    """The settings every script resolves alike: a resumed run's saved flags, device, model, backend, presets.
+
+    Returns (device, model, backend). A flag you type always wins; a resumed run keeps its saved settings for the
+    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give.
+    """
+    given = common.given_fields(args)
+    if args.resume:
         if not args.output_dir:
             common.fail("--resume", "needs --output-dir, the folder of the run to continue")
         saved_path = Path(args.output_dir) / "config.json"
         if not saved_path.exists():
             common.fail("--resume", f"no config.json in {args.output_dir}: nothing to resume")
-        saved, defaults = json.loads(saved_path.read_text()), Args()
+        saved = json.loads(saved_path.read_text())
         for f in fields(Args):
-            if f.name in saved and f.name not in ("resume", "overwrite") and getattr(args, f.name) == getattr(defaults, f.name):
+            if f.name in saved and f.name not in given and f.name not in ("resume", "overwrite"):
                 setattr(args, f.name, saved[f.name])
     if args.device == "cuda" and not torch.cuda.is_available():
         common.fail("--device", "cuda requested but no CUDA device is visible")
@@ -834,18 +1056,19 @@ def resolve_args(args: Args):
         if backend == "vllm" and not has_vllm:
             common.fail("--backend", "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf")
         backend = "vllm" if has_vllm else "hf"
-    defaults = TINY_DEFAULTS if model == "tiny" else PAPER_DEFAULTS
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    s = args.algo == "starpo-s"
-    args.keep_ratio = args.keep_ratio if args.keep_ratio is not None else (0.25 if s else 1.0)
-    args.kl_coef = args.kl_coef if args.kl_coef is not None else (0.0 if s else 0.001)
-    args.clip_high = args.clip_high if args.clip_high is not None else (0.28 if s else 0.2)
-    args.dual_clip = args.dual_clip if args.dual_clip is not None else (3.0 if s else 0.0)
-    args.output_dir = args.output_dir or f"runs/frozenlake-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
+        args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
+        for k, v in {**PRESETS[args.preset], **ALGOS[args.algo]}.items():
+            if k not in given:
+                setattr(args, k, v)
+    args.output_dir = args.output_dir or f"runs/{TASK}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return device, model, backend
 
-    checks = [
+
+# Copied from starpo_bandit.common_checks
+def common_checks(args: Args) -> list[tuple[str, bool, str]]:
+    """(flag, ok, message) for the flags every script has; each script adds its task's own."""
+    return [
         ("--group-size", args.group_size >= 2 or args.estimator != "grpo", "must be >= 2 with --estimator grpo (a group of one has no baseline)"),
         ("--group-size", args.group_size >= 1, "must be >= 1"),
         ("--n-groups", args.n_groups >= 1, "must be >= 1"),
@@ -871,32 +1094,33 @@ def resolve_args(args: Args):
         ("--save-every", args.save_every >= 0, "must be >= 0"),
         ("--keep-checkpoints", args.keep_checkpoints >= 1, "must be >= 1"),
         ("--max-skipped", args.max_skipped >= 1, "must be >= 1"),
+        ("--log-rollouts-every", args.log_rollouts_every >= 0, "must be >= 0"),
+        ("--sample-every", args.sample_every >= 0, "must be >= 0"),
         ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
+        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
+    ]
+
+
+def resolve_args(args: Args):
+    """Check every flag and fill what depends on others. Runs before any model loads; bad input exits in one line."""
+    device, model, backend = resolve_run(args)
+    checks = common_checks(args) + [
         ("--size", 2 <= args.size <= 16, "must be in [2, 16]"),
         ("--frozen-prob", 0 < args.frozen_prob <= 1, "must be in (0, 1]"),
         ("--max-turns", args.max_turns >= 1, "must be >= 1"),
         ("--max-actions-per-turn", args.max_actions_per_turn >= 1, "must be >= 1"),
         ("--max-actions-per-traj", args.max_actions_per_traj >= 1, "must be >= 1"),
-        ("--max-context-turns", args.max_context_turns is None or args.max_context_turns >= 1, "must be >= 1 (omit it for the whole history)"),
-        ("--log-rollouts-every", args.log_rollouts_every >= 0, "must be >= 0"),
-        ("--sample-every", args.sample_every >= 0, "must be >= 0"),
-        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
+        ("--max-context-turns", args.max_context_turns is None or args.max_context_turns >= 1, "must be >= 1 (the last turn holds the current state)"),
     ]
     for flag, ok, msg in checks:
         if not ok:
             common.fail(flag, msg)
+    try:
+        weighted_rubric(RUBRIC, args.rubric_weights)
+    except ValueError as e:
+        common.fail("--rubric-weights", str(e))
     resume_from = common.prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
     return args, device, model, backend, resume_from
-
-
-def env_kwargs_of(args: Args) -> dict:
-    return dict(size=args.size, p=args.frozen_prob, slippery=args.slippery)
-
-
-TINY_WARMUP_MOVES = 2  # moves in every warm-up answer (see tiny_warmup_examples)
-# Tiny-model recipe (keyword arguments of common.build_tiny_model): a longer warm-up than the bandit's, because
-# the format now spans several turns; small batches keep the build short.
-TINY_BUILD = dict(sft_steps=100, sft_batch_size=16)
 
 
 def tiny_warmup_examples(args: Args, n: int = 600, seed: int = 0) -> list[tuple[list[dict], str]]:
@@ -918,8 +1142,8 @@ def tiny_warmup_examples(args: Args, n: int = 600, seed: int = 0) -> list[tuple[
     budget = args.max_actions_per_traj
     examples = []
     for e in range(n):
-        env = FrozenLakeEnv(**env_kwargs_of(args))
-        messages = first_messages(env.reset(3 * 10**9 + e), args.max_actions_per_turn, budget)
+        env = make_env(args)
+        messages = first_messages(env.reset(3 * 10**9 + e), args)
         left = budget
         for j in range(args.max_turns):
             k = min(TINY_WARMUP_MOVES, args.max_actions_per_turn, left)
@@ -936,41 +1160,63 @@ def tiny_warmup_examples(args: Args, n: int = 600, seed: int = 0) -> list[tuple[
             if done or left <= 0 or j + 1 == args.max_turns:
                 break
             messages += [{"role": "assistant", "content": reply},
-                         {"role": "user", "content": turn_prompt(j + 2, env.render(), left, reward)}]
+                         {"role": "user", "content": feedback_message(reward, j + 2, env.render(), left)}]
     return examples
 
 
-def baselines(args: Args) -> dict:
-    """Exact success of the uniformly random and the optimal policy on the evaluation maps (same budget)."""
-    budget = min(args.max_actions_per_traj, args.max_turns * args.max_actions_per_turn)
-    env = FrozenLakeEnv(**env_kwargs_of(args))
-    pairs = []
-    for i in range(args.val_size):
-        env.reset(10**9 + i)
-        pairs.append(success_dp(env.desc, budget, args.slippery))
-    return {"val/random_success": statistics.mean(p[0] for p in pairs), "val/optimal_success": statistics.mean(p[1] for p in pairs)}
-
-
-def episode_stats(trajs: list[Trajectory], prefix: str) -> dict:
-    """Success, reward and the per-move statistics RAGEN logs, averaged over the trajectories of one batch."""
+# Copied from starpo_sokoban.episode_stats
+def episode_stats(trajs: list[Trajectory], split: str) -> dict:
+    """What the episodes of one batch did, the same keys for train/ and val/ (the README's glossary defines them)."""
     turns = [turn for t in trajs for turn in t.turns]
-    n_actions = sum(len(turn.actions) for turn in turns)
+    played = [info for turn in turns for info in turn.infos]
+    scores = [t.score for t in trajs]
     return {
-        f"{prefix}/success": float(statistics.mean(t.success for t in trajs)),
-        f"{prefix}/reward": statistics.mean(t.score for t in trajs),
-        f"{prefix}/action_is_valid": float(statistics.mean([turn.info["action_is_valid"] for turn in turns] or [0])),  # share of turns
-        f"{prefix}/action_is_effective": sum(turn.info["effective_moves"] for turn in turns) / max(n_actions, 1),  # share of moves
-        f"{prefix}/num_actions": n_actions / len(trajs),
-        f"{prefix}/num_turns": len(turns) / len(trajs),
+        f"{split}/success": statistics.mean(t.success for t in trajs),
+        f"{split}/reward": statistics.mean(scores),
+        f"{split}/reward_min": min(scores),
+        f"{split}/reward_max": max(scores),
+        f"{split}/action_is_valid": statistics.mean(not turn.had_invalid for turn in turns) if turns else 0.0,  # per turn
+        f"{split}/action_is_effective": statistics.mean(i["action_is_effective"] for i in played) if played else 0.0,  # per move
+        f"{split}/num_actions": statistics.mean(t.num_actions for t in trajs),
+        f"{split}/num_turns": statistics.mean(len(t.turns) for t in trajs),
+        f"{split}/context_overflow": sum(t.context_overflow for t in trajs),
     }
 
 
-def evaluate(generate, tok, args: Args) -> tuple[dict, list[Trajectory]]:
+# Copied from starpo_sokoban.reply_stats
+def reply_stats(trajs: list[Trajectory]) -> dict:
+    """Reply lengths (per reply, i.e. per turn) and the rubric's components (summed per episode, averaged)."""
+    replies = [t.turn_last_index[j] - t.turn_start[j] + 1 for t in trajs for j in range(len(t.turns))]
+    thinks = [len(turn.think or "") for t in trajs for turn in t.turns]
+    return {
+        "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
+        "response_length/mean": statistics.mean(replies) if replies else 0.0,
+        "think_length/mean": statistics.mean(thinks) if thinks else 0.0,
+        "sequence_length/mean": statistics.mean(len(t.ids) for t in trajs),
+        **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
+    }
+
+
+# Copied from starpo_bandit.filter_stats
+def filter_stats(group_std: torch.Tensor, kept: torch.Tensor, trained_rows: int) -> dict:
+    """What the uncertainty filter saw (every group's reward std) and kept."""
+    return {
+        "rollout/in_group_std": group_std.mean().item(),
+        "rollout/chosen_in_group_std": group_std[kept].mean().item(),
+        "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
+        "rollout/kept_groups": len(kept),
+        "rollout/trained_rows": trained_rows,
+    }
+
+
+# Copied from starpo_sokoban.evaluate
+def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajectory]]:
     seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
-    trajs = rollout(generate, tok, seeds, env_kwargs_of(args), args.val_temperature, args)
+    trajs = rollout(generate, tok, seeds, args, args.val_temperature, rubric)
     return episode_stats(trajs, "val"), trajs
 
 
+# Copied from starpo_bandit.echo_trap_warnings
 def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
     """The rule in the module docstring: std collapse, or a gradient-norm spike."""
     out = []
@@ -988,43 +1234,33 @@ def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
     return out
 
 
-def print_sample(t: Trajectory, step: int) -> None:
-    tqdm.write(f"--- step {step} sample (seed {t.seed}): score {t.score:+.3f} success {t.success} "
-               + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items()))
-    for j, turn in enumerate(t.turns):
-        tqdm.write(f"  turn {j + 1}: " + turn.state.replace("\n", " / ") + f"  ->  {turn.text[:160]!r}")
-        tqdm.write(f"          moves {turn.actions}  reward {turn.score:+.2f}")
+# Copied from starpo_sokoban.print_sample
+def print_sample(step: int, t: Trajectory) -> None:
+    common.write_line(f"--- step {step} sample (seed {t.seed}): score {t.score:+.2f} success {t.success} "
+                      + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items()))
+    for j, turn in enumerate(t.turns, 1):
+        common.write_line(f"  turn {j}: " + turn.state.replace("\n", " / "))
+        common.write_line(f"    reply {turn.text[:200]!r} -> played {turn.actions} reward {turn.reward:+.2f}")
 
 
+# Copied from starpo_sokoban.main
 def main(argv=None):
-    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, description=__doc__.split("\n")[0]))
+    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS))
     common.seed_everything(args.seed, device)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
-    model_path = model_name
-    if model_name == "tiny":
-        model_path = str(common.build_tiny_model("frozenlake", tiny_warmup_examples(args), **TINY_BUILD))
-    tqdm.write(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  estimator: {args.estimator}")
-    if model_name == "tiny":
-        tqdm.write("tiny model: CPU-sized defaults " + ", ".join(f"{k}={getattr(args, k)}" for k in TINY_DEFAULTS))
-    if resume_from is None:
-        (out_dir / "config.json").write_text(json.dumps(dict(asdict(args), task="frozenlake", model_path=model_path, device=device, backend=backend), indent=1))
+    model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD)) if model_name == "tiny" else model_name
+    common.write_line(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
+                      f"estimator: {args.estimator}  preset: {args.preset} ("
+                      + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {})) + ")")
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
-    policy_path = str(resume_from / "policy") if resume_from else model_path
-    remote = args.trust_remote_code
-
+    policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
-    llm = None
-    if backend == "vllm":  # build the engine before the optimizer state takes GPU memory
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM
-
-        llm = LLM(**vllm_engine_kwargs(args, policy_path))
+    llm = vllm_engine(args, policy_path) if backend == "vllm" else None  # before the optimizer state takes GPU memory
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
     policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, trust_remote_code=remote).to(device)
     ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=remote).to(device).eval() if args.kl_coef > 0 else None
@@ -1033,225 +1269,78 @@ def main(argv=None):
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
     shuffle_gen = torch.Generator().manual_seed(args.seed)
-    start_step, history, warned, skipped_in_a_row = 1, [], set(), 0
-    if resume_from is not None:
-        state = common.load_checkpoint_state(resume_from)
-        opt.load_state_dict(state["opt"])
-        if critic is not None:
-            critic.load_state_dict(state["critic"])
-            critic_opt.load_state_dict(state["critic_opt"])
-        common.set_rng_state(state["rng"], shuffle_gen)
-        start_step, history, warned, skipped_in_a_row = state["step"] + 1, state["history"], set(state["warned"]), state["skipped_in_a_row"]
-        for name in ("metrics.jsonl", "rollouts.jsonl"):  # steps after the checkpoint will be run again
-            common.truncate_jsonl(out_dir / name, state["step"])
-        tqdm.write(f"resumed from {resume_from} at step {state['step']}")
-
-    def checkpoint(step: int) -> Path:
-        state = dict(step=step, opt=opt.state_dict(), rng=common.rng_state(shuffle_gen), history=history,
-                     warned=sorted(warned), skipped_in_a_row=skipped_in_a_row)
-        if critic is not None:
-            state.update(critic=critic.state_dict(), critic_opt=critic_opt.state_dict())
-        return common.save_checkpoint(out_dir, step, policy, tok, state, args.keep_checkpoints)
-
-    gen_seconds = [0.0]  # generation time, accumulated by the closure below (the rest of a rollout is the env)
+    rubric = weighted_rubric(RUBRIC, args.rubric_weights)
+    common.write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
+    run = common.Run(args, TASK, f"starpo_{TASK}.py", resume_from, policy, tok, dict(opt=opt, critic=critic, critic_opt=critic_opt),
+                     [shuffle_gen], dict(task=TASK, model_path=model_path, device=device, backend=backend), echo_trap_warnings)
 
     def generate(prompts, temperature):
-        t = time.time()
         policy.eval()
-        if llm is not None:
-            out = vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
-        else:
+        with run.timer("gen"):
+            if llm is not None:
+                return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
             with autocast:
-                out = hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
-        gen_seconds[0] += time.time() - t
-        return out
+                return hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
 
-    env_kwargs = env_kwargs_of(args)
-    metrics_file = common.Metrics(out_dir / "metrics.jsonl")
-    rollouts_file = common.Metrics(out_dir / "rollouts.jsonl")
-    stop = common.GracefulStop()
-    t_start = time.time()
-    scale = baselines(args)  # exact random- and optimal-policy success on the evaluation maps: computed once
-    tqdm.write(f"evaluation maps: random policy {scale['val/random_success']:.3f}, optimal policy {scale['val/optimal_success']:.3f} success")
-    if resume_from is None:
-        val, val_trajs = evaluate(generate, tok, args)
-        val.update(scale)
-        for t in val_trajs[:64]:
-            rollouts_file.write(rollout_record(t, 0, "val"))
-        metrics_file.write({"step": 0, **val, "time_s": time.time() - t_start, "timestamp": time.time()})
-        tqdm.write(f"step 0  val/success {val['val/success']:.3f}  val/reward {val['val/reward']:.3f}")
-        build_report(out_dir)  # report.html: rewritten at every evaluation and at the end
-    bar = tqdm(range(start_step, args.steps + 1), desc="starpo-frozenlake", dynamic_ncols=True, initial=start_step - 1, total=args.steps)
-    for step in bar:
-        t0, gen_seconds[0] = time.time(), 0.0
-        # ---- rollout: n_groups fresh seeds, each shared by group_size episodes, all played together --------------
-        G, n = args.n_groups, args.group_size
+    scale = baselines(args)  # the same reference points for every evaluation, computed once
+    common.write_line("evaluation set: " + "  ".join(f"{k} {v:.3f}" for k, v in scale.items()))
+    if run.fresh:
+        val, val_trajs = evaluate(generate, tok, args, rubric)
+        run.log_eval(0, {**val, **scale}, [rollout_record(t, 0, "val") for t in val_trajs[:64]])
+    G, n = args.n_groups, args.group_size
+    for step in run.steps(f"starpo-{TASK}"):
+        # ---- rollout: n_groups fresh seeds, each shared by group_size episodes, all played together ---------------
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
-        trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs, args.temperature, args)
-        t_gen, t_env = gen_seconds[0], time.time() - t0 - gen_seconds[0]
+        with run.timer("rollout"):
+            trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], args, args.temperature, rubric)
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
 
-        # ---- uncertainty filter: train only on the groups whose rewards disagree most -------------------------------
+        # ---- uncertainty filter: train only on the groups whose rewards disagree most ------------------------------
         group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
         kept = filter_groups(scores, args.keep_ratio, args.filter_mode)  # (K,)
-        kept_trajs = [trajs[g * n + m] for g in kept.tolist() for m in range(n)]
-        rows = training_rows(kept_trajs, args.max_context_turns, args.turn_rewards)
+        kept_trajs = [trajs[g * n + j] for g in kept.tolist() for j in range(n)]  # K * n trajectories
+        rows = training_rows(kept_trajs, args.max_context_turns)  # one per trajectory, or one per turn
         batch = collate(rows, tok.pad_token_id, device)
-        N = len(rows)
-        row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is from
         truncated = torch.tensor([kept_trajs[r.traj].truncated for r in rows], device=device)  # (N,)
-        mask = batch["loss_mask"] * (~truncated if args.mask_truncated else torch.ones_like(truncated))[:, None]  # (N, L - 1)
+        mask = batch["loss_mask"] * (~truncated if args.mask_truncated else torch.ones_like(truncated))[:, None]  # (N, T - 1)
 
-        # ---- old log-probs, reference log-probs, values (no grad) ---------------------------------------------------
-        # The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we
-        # reuse those log-probs; vLLM's kernels and bf16 differ slightly, so there we recompute them, as veRL does.
-        t1 = time.time()
-        old_logp = batch["gen_logp"].clone()  # (N, L - 1): the sampler's log-prob of each sampled token, 0 elsewhere
-        ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, L - 1) each
-        policy.eval()
-        with torch.no_grad(), autocast:
-            for idx in micro_batches(N, args.micro_batch_size):
-                mb = micro_view(batch, idx)
-                if llm is not None:
-                    old_logp[idx, : mb["L"] - 1] = policy_forward(policy, mb, args.temperature)[0]
-                if ref is not None:
-                    ref_logp[idx, : mb["L"] - 1] = policy_forward(ref, mb, args.temperature)[0]
-                if critic is not None:
-                    old_values[idx, : mb["L"] - 1] = critic(mb).float()
-        t_logprob = time.time() - t1
+        # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
+        with run.timer("logprob"):
+            old_logp, ref_logp, old_values = old_logprobs(policy, ref, critic, batch, args, llm is not None, autocast)
 
-        # ---- advantages -----------------------------------------------------------------------------------------
-        kept_scores = scores[kept]  # (K, n)
+        # ---- advantages ------------------------------------------------------------------------------------------
         if args.estimator == "grpo":
-            adv_traj = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
-            advantages = adv_traj[row_traj][:, None] * mask  # (N, L - 1): the trajectory's value on every sampled token
-            returns = None
+            adv = group_advantages(scores[kept], norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
+            row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
+            advantages, returns = adv[row_traj][:, None] * mask, None  # (N, T - 1): the trajectory's value on its tokens
         else:
             # Each turn's reward sits on its last sampled token; the observation tokens between turns are masked,
             # so gae carries the advantage across them and the turns chain into one sequence.
-            advantages, returns = gae(batch["token_rewards"], old_values, mask, args.gamma, args.lam)  # (N, L - 1) each
+            token_rewards = place_rewards(rows, kept_trajs, mask.shape[1], args.turn_rewards).to(device)  # (N, T - 1)
+            advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
 
-        # ---- PPO update --------------------------------------------------------------------------------------------
-        t2 = time.time()
-        policy.train()
-        stats: dict[str, list] = {}
-        skipped = 0
-        for _ in range(args.ppo_epochs):
-            for mini in micro_batches(N, args.mini_batch_size, shuffle_gen):
-                opt.zero_grad(set_to_none=True)
-                if critic_opt:
-                    critic_opt.zero_grad(set_to_none=True)
-                mini_mask, finite = mask[mini], True
-                for idx in micro_batches(len(mini), args.micro_batch_size):
-                    mb = micro_view(batch, mini[idx])
-                    i, cols = mb["idx"], mb["L"] - 1
-                    m = mask[i, :cols]  # (b, L - 1)
-                    w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # micro-batches add up to the mini-batch loss
-                    with autocast:
-                        logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, L - 1) each
-                    pg, pg_stats = policy_loss(logp, old_logp[i, :cols], advantages[i, :cols], m, args.clip_low,
-                                               args.clip_high, args.dual_clip or None, args.loss_agg)
-                    ent = agg_loss(entropy, m, args.loss_agg)
-                    loss = pg - args.entropy_coef * ent
-                    if ref is not None:
-                        kl = agg_loss(kl_penalty(logp, ref_logp[i, :cols], args.kl_kind), m, args.loss_agg)
-                        loss = loss + args.kl_coef * kl
-                        pg_stats["kl_loss"] = kl.item()
-                    if critic is not None:
-                        with autocast:
-                            values = critic(mb)  # (b, L - 1)
-                        vf, vf_stats = value_loss(values, old_values[i, :cols], returns[i, :cols], m, args.value_clip, args.loss_agg)
-                        loss = loss + vf  # separate parameters and optimizers: one backward serves both
-                        pg_stats.update(vf_stats)
-                    finite = finite and bool(torch.isfinite(loss))
-                    if finite:
-                        (loss * w).backward()
-                    pg_stats["entropy"] = ent.item()
-                    for k, v in pg_stats.items():
-                        stats.setdefault(k, []).append(v)
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
-                if critic is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
-                if finite and math.isfinite(grad_norm):
-                    stats.setdefault("grad_norm", []).append(grad_norm)
-                    opt.step()
-                    if critic_opt:
-                        critic_opt.step()
-                else:  # one NaN/inf would poison the weights and the Adam state: skip this update entirely
-                    skipped += 1
-        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-        if llm is not None:
-            vllm_push_weights(llm, policy)
-        t_update = time.time() - t2
+        # ---- PPO update ------------------------------------------------------------------------------------------
+        with run.timer("update"):
+            update_stats, skipped = ppo_update(policy, critic, ref, opt, critic_opt, batch, mask, old_logp, ref_logp,
+                                               old_values, advantages, returns, args, shuffle_gen, autocast)
+            if llm is not None:
+                vllm_push_weights(llm, policy)
 
         # ---- log -------------------------------------------------------------------------------------------------
-        replies = [turn for t in trajs for turn in t.turns]
-        record = {
-            "step": step,
-            **episode_stats(trajs, "train"),
-            "train/context_overflow": sum(t.context_overflow for t in trajs),
-            "rollout/in_group_std": group_std.mean().item(),
-            "rollout/chosen_in_group_std": group_std[kept].mean().item(),
-            "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
-            "rollout/kept_groups": len(kept),
-            "rollout/trained_rows": N,
-            "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
-            "response_length/mean": statistics.mean([t.turn_last_index[j] - t.turn_starts[j] + 1 for t in trajs for j in range(len(t.turns))] or [0]),
-            "sequence_length/mean": statistics.mean(len(t.ids) for t in trajs),
-            "think_length/mean": statistics.mean([len(turn.think or "") for turn in replies] or [0]),
-            **{f"rubric/{fn.__name__}": statistics.mean(t.parts.get(fn.__name__, 0.0) for t in trajs) for fn, _ in RUBRIC},
-            **{("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()},
-            "actor/skipped_updates": skipped,
-            "timing_s/gen": t_gen,
-            "timing_s/env": t_env,
-            "timing_s/logprob": t_logprob,
-            "timing_s/update": t_update,
-        }
-        if critic is not None:
-            ret, val_old = returns[mask.bool()], old_values[mask.bool()]
-            record["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
-        history.append({k: v for k, v in record.items() if k in ("rollout/in_group_std", "actor/grad_norm")})
-        if skipped:
-            tqdm.write(f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient ({skipped_in_a_row} step(s) in a row)")
-        for w_msg in echo_trap_warnings(history, warned):
-            tqdm.write(f"[echo-trap warning, step {step}] {w_msg}")
-            record["warn/echo_trap"] = 1
+        record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs),
+                  **filter_stats(group_std, kept, len(rows)), **update_stats}
         if args.sample_every and step % args.sample_every == 0:
-            print_sample(trajs[0], step)
-        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            te = time.time()
-            val, val_trajs = evaluate(generate, tok, args)
-            record.update(val, **scale, **{"timing_s/eval": time.time() - te})
-            for t in val_trajs[:64]:
-                rollouts_file.write(rollout_record(t, step, "val"))
+            print_sample(step, trajs[0])
+        if run.eval_due(step):
+            with run.timer("eval"):
+                val, val_trajs = evaluate(generate, tok, args, rubric)
+            record.update(val, **scale)
+            run.write_rollouts(rollout_record(t, step, "val") for t in val_trajs[:64])
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            for t in trajs[::n]:
-                rollouts_file.write(rollout_record(t, step, "train"))
-        record["timing_s/step"] = time.time() - t0
-        record["time_s"], record["timestamp"] = time.time() - t_start, time.time()
-        metrics_file.write(record)
-        if "val/success" in record:
-            build_report(out_dir)
-        bar.set_postfix({"succ": f"{record['train/success']:.2f}", "val": f"{record.get('val/success', float('nan')):.2f}",
-                         "std": f"{record['rollout/in_group_std']:.3f}", "ent": f"{record.get('actor/entropy', 0):.2f}"})
-        if skipped_in_a_row >= args.max_skipped:
-            last = common.latest_checkpoint(out_dir)
-            common.fail("--max-skipped", f"{skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
-                                         f"without saving. Last good checkpoint: {last or 'none'}")
-        if step == args.steps or (args.save_every and step % args.save_every == 0) or stop.requested:
-            path = checkpoint(step)
-            if stop.requested and step < args.steps:
-                tqdm.write(f"stopped by {stop.requested} after step {step}; checkpoint {path}. Continue with: "
-                           f"python starpo_frozenlake.py --resume --output-dir {out_dir}")
-                raise SystemExit(130 if stop.requested == "SIGINT" else 143)
-    metrics_file.close()
-    rollouts_file.close()
-    evals = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "val/success" in r]
-    last = common.latest_checkpoint(out_dir)  # None after --steps 0
-    tqdm.write(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val/success {evals[-1]['val/success']:.3f} "
-               f"(random {scale['val/random_success']:.3f}, optimal {scale['val/optimal_success']:.3f}); "
-               f"policy: {last / 'policy' if last else 'none saved'}; report: {build_report(out_dir)}")
+            run.write_rollouts(rollout_record(t, step, "train") for t in trajs[::n])
+        run.end_step(step, record, skipped)
+    run.finish(f" (random {scale['val/random_success']:.3f}, optimal {scale['val/optimal_success']:.3f})")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def frozenlake_states(n: int, first_seed: int, rng: random.Random) -> list[tuple
         env.pos = rng.choice(sorted(cells))
         step = lambda a: (env.pos[0] + fl.MOVES[a][0], env.pos[1] + fl.MOVES[a][1])  # noqa: E731
         best = min(range(4), key=lambda a: dist.get(step(a), 99))
-        messages = fl.first_messages(env.render(), args.max_actions_per_turn, args.max_actions_per_traj)
+        messages = fl.first_messages(env.render(), args)
         out.append((messages, "I move.", fl.ACTIONS[best]))
     return out
 
@@ -64,7 +64,7 @@ def frozenlake_states(n: int, first_seed: int, rng: random.Random) -> list[tuple
 def sokoban_states(n: int, first_seed: int, rng: random.Random) -> list[tuple[list[dict], str, str]]:
     """(messages, thought, label): a generated room and the first move of the solver's shortest solution."""
     args, out, seed = sk.Args(), [], first_seed
-    env = sk.SokobanEnv(**sk.env_kwargs_of(args))
+    env = sk.make_env(args)
     while len(out) < n:
         obs = env.reset(seed)
         seed += 1

@@ -87,7 +87,7 @@ def bandit_reward(completions, seed, **kwargs) -> list[float]:
         text = completion_text(completion)
         think, answer = sb.parse_reply(text)
         _, reward, _, info = env.step(answer if answer is not None else "")
-        total, _ = sb.score(sb.Sample(text=text, think=think, answer=answer, env_reward=reward, info=info))
+        total, _ = sb.score_turn(sb.Turn(text=text, think=think, answer=answer, env_reward=reward, info=info), sb.RUBRIC)
         out.append(total)
     return out
 
@@ -220,7 +220,7 @@ def evaluate_model(model_dir: str, tok_dir: str, val_size: int, max_tokens: int,
 
     torch.manual_seed(seed)
     t0 = time.time()
-    val, _ = sb.evaluate(generate, tok, args)
+    val, _ = sb.evaluate(generate, tok, args, sb.RUBRIC)
     return {k: round(float(v), 4) for k, v in val.items()} | {"eval_s": round(time.time() - t0, 1)}
 
 

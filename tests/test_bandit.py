@@ -95,7 +95,7 @@ def test_parse_reply_huge_and_binary_looking_text():
     huge = "<think>" + "a" * 2_000_000 + "</think><answer>Dragon</answer>"
     assert sb.parse_reply(junk) == (None, None)
     assert sb.parse_reply(huge)[1] == "Dragon"
-    assert sb.format_reward(sb.Sample(huge, "a", "Dragon", 0.0, {"action_is_valid": True})) == 1.0
+    assert sb.format_reward(sb.Turn(huge, "a", "Dragon", 0.0, {"action_is_valid": True})) == 1.0
     assert sb.parse_reply("<answer>" + junk + "</answer>")[1] is not None
 
 
@@ -107,7 +107,7 @@ def run_rubric(text: str, seed: int = 0):
     env.reset(seed)
     think, answer = sb.parse_reply(text)
     _, reward, _, info = env.step(answer if answer is not None else "")
-    return sb.score(sb.Sample(text, think, answer, reward, info))
+    return sb.score_turn(sb.Turn(text, think, answer, reward, info), sb.RUBRIC)
 
 
 def weights():

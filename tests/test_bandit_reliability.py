@@ -172,7 +172,10 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
 
 
 def test_every_group_zero_std(tmp_path, monkeypatch):
-    monkeypatch.setattr(sb, "RUBRIC", [(lambda s: 1.0, 1.0)])
+    def constant(t):
+        return 1.0
+
+    monkeypatch.setattr(sb, "RUBRIC", [(constant, 1.0)])
     rows = in_process(tmp_path, "--steps", "2", "--algo", "starpo", "--estimator", "grpo")
     assert all(r["rollout/zero_std_frac"] == 1.0 and r["rollout/in_group_std"] == 0.0 for r in rows[1:])
     assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/skipped_updates"] == 0 for r in rows[1:])
@@ -204,7 +207,10 @@ def test_mask_truncated_on_means_cut_replies_are_not_trained(tmp_path, monkeypat
     """--max-tokens 3 cuts every reply: with --mask-truncated nothing is trained (weights unchanged), without it
     the cut replies are trained like any other. (A length-based rubric gives the cut replies distinct rewards, so
     there is a signal to train on.)"""
-    monkeypatch.setattr(sb, "RUBRIC", [(lambda s: float(len(s.text)), 1.0)])
+    def reply_length(t):
+        return float(len(t.text))
+
+    monkeypatch.setattr(sb, "RUBRIC", [(reply_length, 1.0)])
     assert all(weights_after(tmp_path / "masked", "--mask-truncated"))
     rows = metrics(tmp_path / "masked")
     assert rows[1]["rollout/truncated_frac"] == 1.0
@@ -235,7 +241,7 @@ def test_parser_and_rubric_take_any_text(text, seed):
     _, reward, done, info = env.step(answer if answer is not None else "")
     assert done and reward in (0.0, 0.15, 1.0)
     assert info["action_is_valid"] == (answer is not None and answer.strip().lower() in ("dragon", "phoenix"))
-    total, parts = sb.score(sb.Sample(text, think, answer, reward, info))
+    total, parts = sb.score_turn(sb.Turn(text, think, answer, reward, info), sb.RUBRIC)
     assert math.isfinite(total)
     assert 0.0 <= parts["env_reward"] <= 1.0 and parts["format_reward"] in (0.0, 1.0)
     assert parts["invalid_answer_penalty"] in (-1.0, 0.0)

@@ -68,7 +68,7 @@ def _rollout_scores(texts, seeds):
             out.append((ids, [0.0] * len(ids)))
         return out
 
-    trajs = sb.rollout(generate, CharTokenizer(), seeds, vs_trl.ENV_KWARGS, 1.0, max_prompt_len=10**9)
+    trajs = sb.rollout(generate, CharTokenizer(), seeds, vs_trl.ENV_KWARGS, 1.0, 10**9, sb.RUBRIC)
     return [t.score for t in trajs]
 
 

@@ -1,6 +1,7 @@
 """starpo_frozenlake.py: environment, budget and penalty rules, dynamic-programming baselines, multi-turn token
 accounting (mask, log-prob consistency, no gradient through observations), flags and a smoke run."""
 
+import contextlib
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import tempfile
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -204,11 +206,22 @@ def scripted(answers_per_turn):
     return generate, tok, calls
 
 
+@contextlib.contextmanager
+def on_map(desc, slippery=False):
+    """Every episode on one fixed lake (the script draws its maps from seeds: make_env is patched)."""
+    with mock.patch.object(fl, "make_env", lambda args: fl.FrozenLakeEnv(desc=desc, slippery=slippery)):
+        yield
+
+
+def run_on(desc, generate, tok, args, seeds=(0,), temperature=1.0, slippery=False):
+    with on_map(desc, slippery):
+        return fl.rollout(generate, tok, list(seeds), args, temperature, fl.RUBRIC)
+
+
 def play(answers, desc, *flags, slippery=False):
     args = args_for(*flags)
     generate, tok, calls = scripted(answers)
-    trajs = fl.rollout(generate, tok, [0], dict(desc=desc, slippery=slippery), 1.0, args)
-    return trajs[0], calls
+    return run_on(desc, generate, tok, args, slippery=slippery)[0], calls
 
 
 CORRIDOR = ["SFFG", "FFFF", "FFFF", "FFFF"]
@@ -217,7 +230,7 @@ CORRIDOR = ["SFFG", "FFFF", "FFFF", "FFFF"]
 def test_invalid_words_dropped_and_penalised_once_per_turn():
     t, _ = play(["Right || Jump || fly || Down", "Left"], OPEN_4X4, "--max-turns", "2")
     assert t.turns[0].actions == ["Right", "Down"] and t.turns[0].parts["format_penalty"] == -1.0
-    assert t.turns[0].score == pytest.approx(-0.1)  # once for the turn, not per bad word
+    assert t.turns[0].reward == pytest.approx(-0.1)  # once for the turn, not per bad word
     assert t.turns[1].parts["format_penalty"] == 0.0
     assert t.score == pytest.approx(-0.1) and t.parts["format_penalty"] == -1.0
 
@@ -231,7 +244,7 @@ def test_missing_answer_is_penalised_and_the_episode_goes_on():
         text = "I just talk" if len(n) == 1 else "<think> t </think> <answer> Right </answer>"
         return [(tok(text)["input_ids"] + [1], [0.0] * (len(text) + 1)) for _ in prompts]
 
-    t = fl.rollout(generate, tok, [0], dict(desc=OPEN_4X4, slippery=False), 1.0, args)[0]
+    t = run_on(OPEN_4X4, generate, tok, args)[0]
     assert [turn.actions for turn in t.turns] == [[], ["Right"]]
     assert [turn.parts["format_penalty"] for turn in t.turns] == [-1.0, 0.0]
 
@@ -277,7 +290,7 @@ def test_observation_shows_reward_lake_and_moves_left():
 def test_context_overflow_ends_the_episode():
     args = args_for("--max-model-len", "700", "--max-tokens", "20")
     generate, tok, calls = scripted(["Up"] * 5)
-    t = fl.rollout(generate, tok, [0], dict(desc=OPEN_4X4, slippery=False), 1.0, args)[0]
+    t = run_on(OPEN_4X4, generate, tok, args)[0]
     assert t.context_overflow and len(t.turns) < 5
     assert all(len(p) + 20 <= 700 for prompts in calls for p in prompts)
 
@@ -295,12 +308,12 @@ def test_max_context_turns_shows_first_prompt_and_last_k_turns():
 def test_first_prompt_that_does_not_fit_gets_no_turn():
     args = args_for("--max-model-len", "300", "--max-tokens", "20")  # the first prompt alone is ~450 FakeTok tokens
     generate, tok, calls = scripted(["Up"])
-    t = fl.rollout(generate, tok, [0], dict(desc=OPEN_4X4, slippery=False), 1.0, args)[0]
+    t = run_on(OPEN_4X4, generate, tok, args)[0]
     assert t.context_overflow and t.turns == [] and calls == [] and sum(t.mask) == 0 and t.score == 0.0
     stats = fl.episode_stats([t], "train")
     assert stats["train/num_turns"] == 0 and stats["train/action_is_valid"] == 0.0
-    (row,) = fl.training_rows([t], None, turn_rewards=True)
-    assert sum(row.mask) == 0 and row.rewards == {}
+    (row,) = fl.training_rows([t], None)
+    assert sum(row.mask) == 0 and not fl.place_rewards([row], [t], len(row.ids), True).any()
 
 
 def test_truncated_reply_is_closed_untrained_and_flagged():
@@ -312,7 +325,7 @@ def test_truncated_reply_is_closed_untrained_and_flagged():
         text = "<think> t </think> <answer> Right"  # cut mid-answer
         return [(tok(text)["input_ids"], [-0.5] * len(text)) for _ in prompts]
 
-    t = fl.rollout(generate, tok, [0], dict(desc=OPEN_4X4, slippery=False), 1.0, args)[0]
+    t = run_on(OPEN_4X4, generate, tok, args)[0]
     assert [turn.truncated for turn in t.turns] == [True, True] and t.truncated
     end = t.turn_last_index[0]
     assert t.mask[end] == 1 and t.ids[end + 1] == 1 and t.mask[end + 1] == 0  # the appended <|im_end|>: context only
@@ -324,17 +337,19 @@ def test_truncated_reply_is_closed_untrained_and_flagged():
 def test_rollout_record_schema_and_report_draws_the_lake():
     t, _ = play(["Right || Jump", "Down"], OPEN_4X4, "--max-turns", "2")
     rec = fl.rollout_record(t, 3, "train")
-    assert set(rec) == {"step", "split", "task", "seed", "success", "reward", "turns"}
+    assert set(rec) == {"step", "split", "task", "seed", "success", "score", "env_reward", "turns", "final_view"}
     assert (rec["step"], rec["split"], rec["task"], rec["seed"]) == (3, "train", "frozenlake", 0)
-    assert rec["reward"] == pytest.approx(-0.1) and rec["success"] is False and len(rec["turns"]) == 2
+    assert rec["score"] == pytest.approx(-0.1) and rec["env_reward"] == 0.0 and rec["success"] is False
     turn = rec["turns"][0]
-    assert set(turn) == {"state", "text", "think", "answer", "reward", "rubric", "actions"}
-    assert turn["actions"] == ["Right"] and turn["rubric"]["format_penalty"] == -1.0 and turn["reward"] == 0.0
+    assert set(turn) == {"state", "view", "text", "think", "answer", "actions", "env_reward", "score", "rubric"}
+    assert turn["actions"] == ["Right"] and turn["rubric"]["format_penalty"] == -1.0 and turn["env_reward"] == 0.0
+    assert turn["score"] == pytest.approx(-0.1)
     json.dumps(rec)  # one line of rollouts.jsonl
-    grid = report.find_grid(turn["state"], "frozenlake")
-    assert grid["kind"] == "frozenlake" and grid["rows"] == [["_", "_", "_", "_"], ["_", "P", "_", "_"],
-                                                             ["_", "_", "_", "_"], ["_", "_", "_", "G"]]
-    assert all(report.find_grid(r["state"], "frozenlake") for r in rec["turns"])
+    grid = report.grid_of(turn["view"])  # the environment describes itself: no parsing of the prompt text
+    assert grid["rows"] == [["_", "_", "_", "_"], ["_", "P", "_", "_"], ["_", "_", "_", "_"], ["_", "_", "_", "G"]]
+    assert grid["legend"]["O"] == "hole" and turn["view"]["player"] == [1, 1] and turn["view"]["goal"] == [3, 3]
+    assert report.grid_of(rec["final_view"])["rows"][2] == ["_", "_", "P", "_"]  # after Right, then Down
+    assert t.turns[1].before == t.turns[0].after  # a turn starts where the last one left the lake
 
 
 # ---- training rows and rewards (gae) -----------------------------------------------------------------------------
@@ -342,17 +357,22 @@ def test_rollout_record_schema_and_report_draws_the_lake():
 
 def test_training_rows_place_turn_rewards_on_last_sampled_tokens():
     t, _ = play(["Right || Jump", "Right", "Right"], CORRIDOR, "--max-turns", "3")
-    assert [turn.score for turn in t.turns] == pytest.approx([-0.1, 0.0, 1.0])
-    (row,) = fl.training_rows([t], None, turn_rewards=True)
-    assert row.ids == t.ids and row.rewards == pytest.approx(dict(zip(t.turn_last_index, [-0.1, 0.0, 1.0])))
-    assert all(row.mask[i] == 1 for i in t.turn_last_index)
-    (row,) = fl.training_rows([t], None, turn_rewards=False)
-    assert {k: v for k, v in row.rewards.items() if v} == pytest.approx({t.turn_last_index[-1]: 0.9})
-    rows = fl.training_rows([t], 1, turn_rewards=True)  # one row per turn, return-to-go on its last token
-    assert [list(r.rewards.values()) for r in rows] == [pytest.approx([0.9]), pytest.approx([1.0]), pytest.approx([1.0])]
+    assert [turn.reward for turn in t.turns] == pytest.approx([-0.1, 0.0, 1.0])
+    (row,) = fl.training_rows([t], None)
+    assert row.ids == t.ids and all(row.mask[i] == 1 for i in t.turn_last_index)
+    placed = fl.place_rewards([row], [t], len(row.ids) - 1, True)[0]  # column c scores token c + 1
+    want = {t.turn_last_index[0]: -0.1, t.turn_last_index[2]: 1.0}  # turn 2 earned 0
+    assert {c + 1: v for c, v in enumerate(placed.tolist()) if v} == pytest.approx(want)
+    placed = fl.place_rewards([row], [t], len(row.ids) - 1, False)[0]
+    assert {c + 1: v for c, v in enumerate(placed.tolist()) if v} == pytest.approx({t.turn_last_index[-1]: 0.9})
+    rows = fl.training_rows([t], 1)  # one row per turn, return-to-go on its last token
+    placed = fl.place_rewards(rows, [t], max(len(r.ids) for r in rows), True)
+    assert [placed[i].sum().item() for i in range(3)] == pytest.approx([0.9, 1.0, 1.0])
     for j, r in enumerate(rows):
-        assert r.ids == fl.context_ids(t, j, 1) + t.ids[t.turn_starts[j] : t.turn_last_index[j] + 1]
-        assert sum(r.mask) == t.turn_last_index[j] - t.turn_starts[j] + 1 and r.mask[-1] == 1
+        context = t.ids[: t.first_len] + t.ids[t.turn_prompt_start[j] : t.turn_start[j]]
+        assert r.ids == context + t.ids[t.turn_start[j] : t.turn_last_index[j] + 1]
+        assert sum(r.mask) == t.turn_last_index[j] - t.turn_start[j] + 1 and r.mask[-1] == 1
+        assert placed[j][r.last_index[0] - 1].item() == pytest.approx([0.9, 1.0, 1.0][j])
 
 
 # ---- dynamic-programming baselines, worked by hand ---------------------------------------------------------------
@@ -421,7 +441,7 @@ def recorded_rollout(tiny, flags, n=6, temperature=0.8):
         return out
 
     torch.manual_seed(0)
-    trajs = fl.rollout(generate, tok, list(range(n)), dict(desc=["SFFF", "FFFF", "FFFF", "FFFG"]), temperature, args)
+    trajs = run_on(["SFFF", "FFFF", "FFFF", "FFFG"], generate, tok, args, seeds=range(n), temperature=temperature, slippery=True)
     return args, trajs, record
 
 
@@ -437,14 +457,14 @@ def test_mask_covers_exactly_the_sampled_tokens(tiny):
         sampled = [record[j][1][slot(j, i)] for j in range(len(t.turns))]
         expected_ids, expected_mask = t.ids[: t.first_len], [0] * t.first_len
         for j, (r_ids, r_lps) in enumerate(sampled):
-            assert record[j][0][slot(j, i)] == t.ids[: t.turn_starts[j]]  # generation saw exactly the history so far
-            assert t.ids[t.turn_starts[j] : t.turn_last_index[j] + 1] == r_ids  # the exact sampled tokens
-            assert t.gen_logprobs[t.turn_starts[j] : t.turn_last_index[j] + 1] == r_lps
+            assert record[j][0][slot(j, i)] == t.ids[: t.turn_start[j]]  # generation saw exactly the history so far
+            assert t.ids[t.turn_start[j] : t.turn_last_index[j] + 1] == r_ids  # the exact sampled tokens
+            assert t.gen_logprobs[t.turn_start[j] : t.turn_last_index[j] + 1] == r_lps
             expected_ids = expected_ids + r_ids
             expected_mask = expected_mask + [1] * len(r_ids)
             if r_ids[-1] != im_end:  # cut at max_tokens: the closing <|im_end|> is context, not trained
                 expected_ids, expected_mask = expected_ids + [im_end], expected_mask + [0]
-            end = t.turn_starts[j + 1] if j + 1 < len(t.turns) else len(t.ids)
+            end = t.turn_start[j + 1] if j + 1 < len(t.turns) else len(t.ids)
             obs = t.ids[len(expected_ids) : end]
             expected_ids, expected_mask = expected_ids + obs, expected_mask + [0] * len(obs)
         assert t.ids == expected_ids and t.mask == expected_mask
@@ -470,7 +490,7 @@ def test_update_logprobs_match_generation_and_observations_get_no_gradient(tiny,
     model, tok = tiny
     flags = [] if max_context_turns is None else ["--max-context-turns", str(max_context_turns)]
     args, trajs, _ = recorded_rollout(tiny, flags, temperature=0.7)
-    rows = fl.training_rows(trajs, args.max_context_turns, True)
+    rows = fl.training_rows(trajs, args.max_context_turns)
     assert len({len(r.ids) for r in rows}) >= 3  # ragged: right padding is exercised
     batch = fl.collate(rows, tok.pad_token_id, "cpu")
     mb = fl.micro_view(batch, torch.arange(len(rows)))
@@ -478,14 +498,14 @@ def test_update_logprobs_match_generation_and_observations_get_no_gradient(tiny,
     with torch.no_grad():
         logp, entropy = fl.policy_forward(model, mb, 0.7)
     assert mask.sum() > 100
-    torch.testing.assert_close(logp[mask], batch["gen_logp"][mask], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logp[mask], batch["gen_logprobs"][mask], atol=1e-4, rtol=0)
     assert (logp[~mask] == 0).all() and (entropy[~mask] == 0).all()
 
     # Gradients: garbage advantages / old log-probs / returns on observation positions must change nothing.
     critic = fl.Critic(str(model.name_or_path), torch.float32)
     torch.manual_seed(1)
     adv = torch.randn(mask.shape) * mask
-    old = batch["gen_logp"].clone()
+    old = batch["gen_logprobs"].clone()
     returns = torch.randn(mask.shape)
 
     def grads(a, o, ret):
@@ -650,7 +670,10 @@ def weights_after(tmp_path, *flags):
 def test_mask_truncated_means_cut_replies_are_not_trained(tmp_path, monkeypatch):
     """--max-tokens 6 cuts every reply: with --mask-truncated nothing is trained (weights unchanged), without it the
     cut replies are trained like any other. (A rubric hashing the text gives them distinct rewards: a signal.)"""
-    monkeypatch.setattr(fl, "RUBRIC", [(lambda t: float(sum(map(ord, t.text)) % 7), 1.0)])
+    def text_hash(t):
+        return float(sum(map(ord, t.text)) % 7)
+
+    monkeypatch.setattr(fl, "RUBRIC", [(text_hash, 1.0)])
     assert all(weights_after(tmp_path / "masked", "--max-tokens", "6", "--mask-truncated"))
     assert read(tmp_path / "masked" / "metrics.jsonl")[1]["rollout/truncated_frac"] == 1.0
     assert not all(weights_after(tmp_path / "trained", "--max-tokens", "6"))

@@ -21,11 +21,26 @@ import report
 from conftest import ROOT
 
 EVIL = "<script>alert(1)</script> </script><img src=x onerror=alert(2)> \"quotes\" 'single' & <!-- \u2028\u2029 end"
-SOKOBAN_STATE = ("Turn 1:\nState:\n# # # # # #\n# _ _ O _ #\n# _ X _ _ #\n# P _ √ X #\n# # O # # #\n# # # # # #\n"
-                 "You have 10 actions left. Always output: <think> [thoughts] </think> <answer> [answer] </answer>")
-FROZENLAKE_STATE = "Reward: 0.0\nTurn 2:\nState:\nP _ _ _\n_ O _ O\n_ _ _ O\nO _ _ G\nYou have 5 actions left."
-BANDIT_STATE = "You are playing a bandit game.\n1. There are 2 arms, named Phoenix and Dragon.\n2. Each arm ..."
-STATES = {"sokoban": SOKOBAN_STATE, "frozenlake": FROZENLAKE_STATE, "bandit": BANDIT_STATE}
+
+
+def env_states() -> dict:
+    """task -> (observation text, env.describe()), from the scripts' own environments: what a real run logs."""
+    import starpo_bandit as sb
+    import starpo_frozenlake as fl
+    import starpo_sokoban as ss
+
+    room = ss.SokobanEnv()
+    room_obs = room.load("######\n#__O_#\n#_X__#\n#P_√X#\n##O###\n######")
+    lake = fl.FrozenLakeEnv(desc=["SFFF", "FHFH", "FFFH", "HFFG"])
+    lake_obs = lake.reset(0)
+    arms = sb.BanditEnv()
+    arms_obs = arms.reset(0)
+    return {"sokoban": (room_obs, room.describe()), "frozenlake": (lake_obs, lake.describe()),
+            "bandit": (arms_obs, arms.describe())}
+
+
+STATES = env_states()
+SOKOBAN_STATE = STATES["sokoban"][0]
 BASE_CHARTS = ["Success", "Reward", "In-group reward std", "Entropy", "Gradient norm", "Response and think length",
                "Clip fractions"]
 
@@ -62,10 +77,11 @@ def make_run(run_dir, task="sokoban", steps=6, eval_every=2, baselines=True, war
         rows = []
         for step in range(0, steps + 1, eval_every):
             for i in range(3):
-                turn = dict(state=STATES[task], text=text, think="go down", answer="Down", actions=["Down"],
-                            reward=-0.1, rubric={r: 0.5 for r in rubric})
-                rows.append(dict(step=step, split="val", task=task, seed=100 + i, success=i == 0, reward=1.0 - i,
-                                 turns=[turn, turn]))
+                state, view = STATES[task]
+                turn = dict(state=state, view=view, text=text, think="go down", answer="Down", actions=["Down"],
+                            env_reward=-0.1, score=-0.1, rubric={r: 0.5 for r in rubric})
+                rows.append(dict(step=step, split="val", task=task, seed=100 + i, success=i == 0, score=1.0 - i,
+                                 env_reward=1.0 - i, turns=[turn, turn], final_view=None if task == "bandit" else view))
         write_jsonl(run_dir / "rollouts.jsonl", rows)
     return run_dir
 
@@ -131,11 +147,11 @@ def test_nan_breaks_the_line_and_never_reaches_the_json(tmp_path):
     lines = (run / "metrics.jsonl").read_text().splitlines()
     lines[3] = lines[3].replace('"actor/grad_norm": 1.0', '"actor/grad_norm": NaN')
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    rows = (run / "rollouts.jsonl").read_text().replace('"reward": -0.1', '"reward": Infinity')
+    rows = (run / "rollouts.jsonl").read_text().replace('"env_reward": -0.1', '"env_reward": Infinity')
     (run / "rollouts.jsonl").write_text(rows)
     page = build(run)
     assert figure(page, "Gradient norm").count("<polyline") == 2  # steps 1-2, then 4-6
-    assert embedded_data(page)["rollouts"][0]["turns"][0]["reward"] is None
+    assert embedded_data(page)["rollouts"][0]["turns"][0]["env_reward"] is None
 
 
 def test_header_facts(tmp_path):
@@ -183,7 +199,7 @@ def test_broken_last_line_and_repeated_steps(tmp_path):
         f.write(json.dumps({"step": 6, "val/success": 0.05, "time_s": 99.0}) + "\n" + '{"step": 7, "train/succ')
     with open(run / "rollouts.jsonl", "a") as f:  # the evaluations of steps 4 and 6 logged again
         for s in (4, 6):
-            f.write(json.dumps(dict(step=s, split="val", task="sokoban", seed=s, success=True, reward=2.0, turns=[])))
+            f.write(json.dumps(dict(step=s, split="val", task="sokoban", seed=s, success=True, score=2.0, turns=[])))
             f.write("\n")
     page = build(run)
     assert "0.050 (step 6)" in page and "6 of 6" in page and "0:01:39" in page  # the later lines won
@@ -195,7 +211,7 @@ def test_broken_last_line_and_repeated_steps(tmp_path):
 
 def test_viewer_caps_rollouts_and_keeps_first_and_last_step(tmp_path):
     run = make_run(tmp_path / "run", rollouts=False)
-    rows = [dict(step=s, split=sp, task="sokoban", seed=i, success=False, reward=0.0, turns=[])
+    rows = [dict(step=s, split=sp, task="sokoban", seed=i, success=False, score=0.0, turns=[])
             for s in range(0, 100, 2) for sp in ("train", "val") for i in range(64)]
     write_jsonl(run / "rollouts.jsonl", rows)
     kept = embedded_data(build(run))["rollouts"]
@@ -244,7 +260,7 @@ def test_model_text_is_escaped_everywhere(tmp_path):
     # ... and nothing is lost: the viewer gets the exact text back
     turn = embedded_data(page)["rollouts"][0]["turns"][0]
     assert turn["text"] == EVIL and turn["answer"] == EVIL and turn["actions"] == [EVIL]
-    assert turn["state"].startswith(EVIL) and turn["grid"]["kind"] == "sokoban"
+    assert turn["state"].startswith(EVIL) and turn["grid"]["legend"]["#"] == "wall"  # the grid comes from the view
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # the config value and rubric title, html-escaped
 
 
@@ -259,27 +275,29 @@ def test_page_is_offline_and_csp_matches_the_script(tmp_path):
 # ---- grids, arms, atomic write, command line --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("state,task,kind,shape", [
-    (SOKOBAN_STATE, "sokoban", "sokoban", (6, 6)),
-    (FROZENLAKE_STATE, "frozenlake", "frozenlake", (4, 4)),
-    ("P_G\nOO_\n", "frozenlake", "frozenlake", (2, 3)),  # unspaced symbols
-    ("rules: O is a hole\nState:\n_ O\nP G\nthen\n_\n", "frozenlake", "frozenlake", (2, 2)),  # the longest block wins
-    ("#####\n#P X#\n", "mystery", "sokoban", (1, 5)),  # unknown task: '#' -> sokoban; "#P X#" is not a grid row
-    ("Nothing here.\nO\n", "frozenlake", None, None),  # a lone symbol is not a grid
-    ("", "sokoban", None, None),
-])
-def test_find_grid(state, task, kind, shape):
-    grid = report.find_grid(state, task)
-    if kind is None:
-        assert grid is None
-    else:
-        assert grid["kind"] == kind and (len(grid["rows"]), len(grid["rows"][0])) == shape
+@pytest.mark.parametrize("task,shape,symbol,name", [("sokoban", (6, 6), "#", "wall"), ("frozenlake", (4, 4), "O", "hole")])
+def test_grid_comes_from_the_environments_own_view(task, shape, symbol, name):
+    grid = report.grid_of(STATES[task][1])
+    assert (len(grid["rows"]), len(grid["rows"][0])) == shape and grid["legend"][symbol] == name
+    assert grid["style"][symbol] == report.CELL_STYLE[name]
 
 
-def test_find_arms():
-    assert report.find_arms(BANDIT_STATE) == ["Phoenix", "Dragon"]
-    assert report.find_arms("There are 2 arms, named Lucky Star and Trader.\n") == ["Lucky Star", "Trader"]
-    assert report.find_arms("no arms") is None
+def test_a_new_environment_is_drawn_without_a_table_for_it():
+    grid = report.grid_of({"grid": [["A", "b"], ["b", "A"]], "legend": {"A": "lava", "b": "floor"}})
+    assert grid["style"]["b"] == report.CELL_STYLE["floor"]  # a known name keeps its colour
+    assert grid["style"]["A"][0].startswith("hsl(") and grid["style"]["A"] == report.cell_style("lava")  # stable
+    for bad in (None, {}, {"grid": "no"}, {"grid": []}, "text"):
+        assert report.grid_of(bad) is None
+
+
+def test_arms_come_from_the_bandits_view():
+    assert report.arms_of(STATES["bandit"][1]) == {"names": STATES["bandit"][1]["arms"], "high": "Dragon"}
+    assert report.arms_of({"grid": []}) is None
+
+
+def test_the_last_state_is_drawn_after_the_last_turn(tmp_path):
+    kept = embedded_data(build(make_run(tmp_path / "run")))["rollouts"]
+    assert kept[0]["final_grid"]["rows"] == report.grid_of(STATES["sokoban"][1])["rows"]
 
 
 def test_write_is_atomic_and_overwrites(tmp_path):
@@ -405,8 +423,7 @@ def test_browser_grid_run(tmp_path):
     run = make_run(tmp_path / "run", text=EVIL, warn_at=(3,))
     dom, img = open_in_chromium(report.build_report(run), tmp_path)
     assert 'class="grid-board"' in dom and "alert(1)" in dom  # the reply is shown, as text
-    style = report.GRID_STYLE["sokoban"]
-    assert pixels_of(img, style["#"][0]) > 15 * 28 * 28  # the walls: 23 cells of 30 x 30 px per turn
+    assert pixels_of(img, report.CELL_STYLE["wall"][0]) > 15 * 28 * 28  # the walls: 23 cells of 30 x 30 px per turn
     assert pixels_of(img, report.THING_COLOURS["box"]) > 100  # a box
     assert pixels_of(img, report.COLOURS[0]) > 500 and pixels_of(img, report.COLOURS[1]) > 200  # train and val lines
     assert pixels_of(img, report.WARN_COLOUR) > 50  # the echo-trap markers
@@ -425,4 +442,4 @@ def test_browser_tiny_bandit_run(tmp_path):
     assert dom.count('class="arm') >= 2 and "Phoenix" in dom and "Dragon" in dom
     assert pixels_of(img, report.COLOURS[0]) > 500 and pixels_of(img, report.COLOURS[1]) > 200  # train and val lines
     assert pixels_of(img, report.ARM_CHOSEN_COLOUR) > 4000 or "no valid arm chosen" in dom  # the chosen arm's card
-    assert math.isfinite(embedded_data((run / "report.html").read_text())["rollouts"][0]["reward"])
+    assert math.isfinite(embedded_data((run / "report.html").read_text())["rollouts"][0]["score"])

@@ -155,7 +155,7 @@ def test_room_is_a_pure_function_of_the_seed():
 
 def test_random_success_estimate_matches_reference():
     rng = random.Random(0)
-    est = sum(ss.random_success(dict(size=6, num_boxes=1), s, 10, 20, rng) for s in range(300)) / 300
+    est = sum(ss.random_success(ss.SokobanEnv(size=6, num_boxes=1), s, 10, 20, rng) for s in range(300)) / 300
     assert 0.17 <= est <= 0.29  # REFERENCE §1: about 23%
 
 
@@ -257,7 +257,7 @@ def reply(*moves, think="t") -> str:
 def run_scripted(tok, seed: int, turns: list[str], **kw):
     args = ss.Args(max_tokens=32, **kw)
     log = []
-    (traj,) = ss.rollout(scripted(tok, turns, log), tok, [seed], ss.env_kwargs_of(args), 1.0, args)
+    (traj,) = ss.rollout(scripted(tok, turns, log), tok, [seed], args, 1.0, ss.RUBRIC)
     return traj, log, args
 
 
@@ -323,7 +323,7 @@ def test_token_accounting_matches_the_chat_format(tiny):
         messages.append({"role": "assistant", "content": turn.text})
         left -= len(turn.actions)
         if j + 1 < len(traj.turns):
-            messages.append({"role": "user", "content": ss.feedback_message(turn.env_reward, j + 2, traj.turns[j + 1].state, left)})
+            messages.append({"role": "user", "content": ss.feedback_message(turn.reward, j + 2, traj.turns[j + 1].state, left)})
     assert tok.decode(traj.ids) + "\n" == tok.apply_chat_template(messages, tokenize=False)
     # mask: exactly the sampled tokens (the model's own <|im_end|> included, the one appended after a cut excluded)
     sampled = [len(tok(t.rstrip("~"), add_special_tokens=False)["input_ids"]) + (0 if t.endswith("~") else 1) for t in turns]
@@ -384,7 +384,7 @@ def test_generation_logprobs_match_update_pass(tiny, k):
     torch.manual_seed(0)
     args = ss.Args(max_tokens=32, max_context_turns=k)
     gen = lambda prompts, temp: ss.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64)  # noqa: E731
-    trajs = ss.rollout(gen, tok, [10**9 + i for i in range(6)], ss.env_kwargs_of(args), 0.7, args)
+    trajs = ss.rollout(gen, tok, [10**9 + i for i in range(6)], args, 0.7, ss.RUBRIC)
     rows_ = ss.training_rows(trajs, k)
     assert len({len(r.ids) for r in rows_}) >= 3  # ragged
     batch = ss.collate(rows_, tok.pad_token_id, "cpu")
@@ -393,7 +393,7 @@ def test_generation_logprobs_match_update_pass(tiny, k):
     with torch.no_grad():
         for idx in ss.micro_batches(len(rows_), 4):  # micro-batches with different trims
             mb = ss.micro_view(batch, idx)
-            logp[idx, mb["c0"] : mb["c1"]] = ss.policy_forward(model, mb, 0.7)[0]
+            logp[idx, : mb["cols"]] = ss.policy_forward(model, mb, 0.7)[0]
     m = mask.bool()
     assert m.sum() > 50
     torch.testing.assert_close(logp[m], batch["gen_logprobs"][m], atol=1e-4, rtol=0)
@@ -493,15 +493,17 @@ def check_run(run_dir, out: str, gae: bool):
     for r in rollouts:
         assert r["task"] == "sokoban" and isinstance(r["success"], bool) and 1 <= len(r["turns"]) <= 5
         for t in r["turns"]:
-            assert set(t) == {"state", "text", "think", "answer", "reward", "rubric", "actions"}
+            assert set(t) == {"state", "view", "text", "think", "answer", "actions", "env_reward", "score", "rubric"}
             assert set(t["rubric"]) == {"env_reward", "format_penalty", "format_reward"}
-    # the report finds and draws the room in every turn's state
-    from report import find_grid
+            assert set(t["view"]) == {"grid", "legend", "player", "boxes", "targets"}
+    # the report draws the room from the environment's own view of it, and the room after the last move
+    from report import grid_of
 
     html = (run_dir / "report.html").read_text()
     assert "sokoban" in html
-    grid = find_grid(rollouts[0]["turns"][0]["state"], "sokoban")
-    assert grid["kind"] == "sokoban" and len(grid["rows"]) == 6 and all(len(row) == 6 for row in grid["rows"])
+    grid = grid_of(rollouts[0]["turns"][0]["view"])
+    assert len(grid["rows"]) == 6 and all(len(row) == 6 for row in grid["rows"]) and grid["legend"]["X"] == "box"
+    assert all(grid_of(r["final_view"]) for r in rollouts)
     return rows_
 
 
@@ -581,7 +583,10 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
 def test_mask_truncated_means_cut_trajectories_are_not_trained(tmp_path, monkeypatch):
     """--max-tokens 3 cuts every reply: with --mask-truncated nothing is trained (weights unchanged), without it the
     cut replies are trained like any other. (A length-based rubric gives them distinct rewards: a signal to train on.)"""
-    monkeypatch.setattr(ss, "RUBRIC", [(lambda t: float(len(t.text)), 1.0)])
+    def reply_length(t):
+        return float(len(t.text))
+
+    monkeypatch.setattr(ss, "RUBRIC", [(reply_length, 1.0)])
     flags = [*IN_PROCESS, "--steps", "1", "--max-tokens", "3", "--weight-decay", "0", "--entropy-coef", "0",
              "--estimator", "grpo", "--keep-ratio", "1"]
     ss.main([*flags, "--mask-truncated", "--output-dir", str(tmp_path / "masked")])
