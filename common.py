@@ -3,7 +3,7 @@
 Two halves, clearly separated:
 
 * MATHS: small pure torch functions (advantages, clipping, filtering, KL, aggregation). They follow veRL's
-  semantics (see REFERENCE.md §3 of the project notes) and each is tested against a plain-Python reference
+  semantics (verl.trainer.ppo.core_algos) and each is tested against a plain-Python reference
   and hand-worked cases in `tests/test_common.py`. Read them; they are the algorithm.
 * PLUMBING: flag parsing, a faster KV cache for generation, the embedded tiny model, metrics files. Learners never
   need to edit these.
@@ -272,13 +272,14 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_args(cls, argv=None, description: str | None = None, presets: dict | None = None):
+def parse_args(cls, argv=None, description: str | None = None, presets: dict | None = None, algos: dict | None = None):
     """Turn a dataclass into kebab-case flags (field `group_size` -> `--group-size`) and parse argv into it.
 
-    presets: {name: {field: value}}, shown in --help next to each field's default. The returned instance carries
-    `given`, the set of fields set on the command line, so that a preset or a resumed run's config fills only the
-    others (a flag you type always wins).
+    presets / algos: {name: {field: value}} (a script's PRESETS and ALGOS), shown in --help next to each field's
+    default. The returned instance carries `given`, the set of fields set on the command line, so that a preset or
+    a resumed run's config fills only the others (a flag you type always wins).
     """
+    overrides = {f"--preset {k}": v for k, v in (presets or {}).items()} | {f"--algo {k}": v for k, v in (algos or {}).items()}
 
     def build(suppress: bool) -> argparse.ArgumentParser:
         parser = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -287,9 +288,9 @@ def parse_args(cls, argv=None, description: str | None = None, presets: dict | N
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             text = docs.get(f.name, " ")
-            shown = [f"{name} {p[f.name]}" for name, p in (presets or {}).items() if f.name in p]
+            shown = [f"{name}: {p[f.name]}" for name, p in overrides.items() if f.name in p]
             if shown:
-                text += " [presets: " + ", ".join(shown) + "]"
+                text += " [" + "; ".join(shown) + "]"
             tp = hints[f.name]
             kw = {"default": argparse.SUPPRESS if suppress else f.default, "help": text.replace("%", "%%")}
             args = typing.get_args(tp)

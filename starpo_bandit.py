@@ -953,7 +953,7 @@ def print_sample(step: int, t: Trajectory) -> None:
 
 
 def main(argv=None):
-    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS))
+    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS))
     common.seed_everything(args.seed, device)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers

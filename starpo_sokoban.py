@@ -216,6 +216,7 @@ PRESETS = {
     "tiny": dict(max_tokens=32, group_size=8, lr=1e-4, critic_lr=1e-3),
 }
 # --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
+# Copied from starpo_bandit.ALGOS
 ALGOS = {
     "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
     "starpo-s": dict(keep_ratio=0.25, kl_coef=0.0, clip_high=0.28, dual_clip=3.0),
@@ -1325,7 +1326,7 @@ def print_sample(step: int, t: Trajectory) -> None:
 
 
 def main(argv=None):
-    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS))
+    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS))
     common.seed_everything(args.seed, device)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers

@@ -9,7 +9,7 @@ the hf backend's generation (starpo_bandit.hf_generate) next to plain model.gene
 
 Writes bench/results/vs_trl.json: median seconds per optimizer step for each, their ratio, total wall time, eval
 high-arm rate after N steps for each, and generated tokens per second. Every figure comes from this run.
-Target (issue #7): StarPO median s/step <= 0.25 x TRL's, with an eval high-arm rate >= TRL's after N steps.
+Target: StarPO median s/step <= 0.25 x TRL's, with an eval high-arm rate >= TRL's after N steps.
 
 TRL is a benchmark-only dependency (requirements-bench.txt); the scripts and the default tests never need it:
     python -m venv /tmp/bench-venv

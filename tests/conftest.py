@@ -1,10 +1,10 @@
 """Test setup: no network, a shared cache for the embedded tiny model, the repository root on sys.path."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -15,3 +15,48 @@ os.environ.setdefault("STARPO_CACHE", str(ROOT / ".cache" / "tiny"))  # built on
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a learning run (minutes); still part of the CI suite")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped elsewhere")
+
+
+def run_script_file(script: str, *flags, timeout: float = 900, env_extra: dict | None = None):
+    """Run one of the training scripts as a user would (a subprocess in the repository root); output captured."""
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+# ---- a scripted "model": fixed replies, and a tokenizer that is one token per character ---------------------------
+
+
+class FakeTok:
+    """Just enough of a tokenizer for rollout(): one token per character, <|im_end|> = 1."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + "<|im_start|>assistant\n"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(ch) + 10 for ch in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("<|im_end|>" if i == 1 else chr(i - 10) for i in ids)
+
+    def convert_tokens_to_ids(self, token):
+        return 1 if token == "<|im_end|>" else None
+
+    def get_vocab(self):
+        return {"<|im_end|>": 1}
+
+    eos_token_id = 1
+
+
+def scripted(answers_per_turn):
+    """A generate() whose reply at turn j is answers_per_turn[j] for every episode (closed with <|im_end|>)."""
+    tok, calls = FakeTok(), []
+
+    def generate(prompts, temperature):
+        j = len(calls)
+        calls.append(prompts)
+        text = f"<think> t </think> <answer> {answers_per_turn[j]} </answer>"
+        return [(tok(text)["input_ids"] + [1], [-0.5] * (len(text) + 1)) for _ in prompts]
+
+    return generate, tok, calls

@@ -1,17 +1,14 @@
 """starpo_bandit.py: environment, parsing, rubric, log-prob consistency, flags, smoke and learning runs."""
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import common
 import starpo_bandit as sb
-from conftest import ROOT
+from conftest import run_script_file
 
 # ---- environment ------------------------------------------------------------------------------------------------
 
@@ -258,9 +255,7 @@ def test_shared_prompt_forward_equals_one_pass_per_row(tiny):
 
 
 def run_script(*flags, timeout=900, env_extra=None):
-    env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, str(ROOT / "starpo_bandit.py"), *flags], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return run_script_file("starpo_bandit.py", *flags, timeout=timeout, env_extra=env_extra)
 
 
 @pytest.mark.parametrize("flags,needle", [

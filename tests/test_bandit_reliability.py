@@ -3,7 +3,6 @@ hostile model output, bad input, safety."""
 
 import json
 import math
-import os
 import re
 import signal
 import subprocess
@@ -76,17 +75,28 @@ def test_sigkill_after_a_checkpoint_then_resume_matches_uninterrupted(reference_
     assert [r["step"] for r in rollouts] == sorted(r["step"] for r in rollouts)
 
 
+# The same script with every rollout made 1 s slower (patched in-process, results unchanged): a signal sent when step 1
+# has been logged always lands mid-run, on any machine, so the SIGINT test can never pass by finishing first.
+SLOW = """import sys, time
+import starpo_bandit as sb
+real = sb.rollout
+def slow(*a, **k):
+    time.sleep(1.0)
+    return real(*a, **k)
+sb.rollout = slow
+sb.main(sys.argv[1:])"""
+
+
 def test_sigint_checkpoints_at_the_step_boundary_and_resumes(reference_run, tmp_path):
-    p = script(*SMALL, "--steps", "5", "--save-every", "0", "--output-dir", str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-c", SLOW, *SMALL, "--steps", "5", "--save-every", "0", "--output-dir",
+                          str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first_step = tmp_path / "metrics.jsonl"
     deadline = time.time() + 600
     while (not first_step.exists() or len(first_step.read_text().splitlines()) < 2) and time.time() < deadline:
         time.sleep(0.02)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=600)
-    if p.returncode == 0:
-        pytest.skip("the run finished before the signal arrived")
-    assert p.returncode == 130, err[-2000:]
+    assert p.returncode == 130, err[-2000:]  # stopped after the step in progress, never finished first
     assert "--resume" in out + err
     assert common.latest_checkpoint(tmp_path) is not None
     rc, _, err = run("--resume", "--output-dir", str(tmp_path))
@@ -250,7 +260,10 @@ def test_parser_and_rubric_take_any_text(text, seed):
 @settings(max_examples=50, deadline=None)
 @given(text=HOSTILE)
 def test_huge_hostile_text_is_fine(text):
-    sb.parse_reply(text * 2000 + "<answer>Dragon</answer>")  # must return, not raise or hang
+    t0 = time.perf_counter()
+    _, answer = sb.parse_reply(text * 2000 + "<answer>Dragon</answer>")  # must return, not raise
+    assert time.perf_counter() - t0 < 5.0  # plain string search is linear; a backtracking regex would take minutes
+    assert answer in (None, "Dragon") or "<answer>" in text
 
 
 # ---- bad input: the README's table is the specification -----------------------------------------------------------

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 import starpo_frozenlake as fl
 import starpo_sokoban as sk

@@ -1,6 +1,6 @@
 """Tests for the MATHS half of common.py.
 
-Three kinds of check, all against REFERENCE.md §3 (veRL semantics, tolerance 1e-5):
+Three kinds of check, all of veRL's semantics (verl.trainer.ppo.core_algos; tolerance 1e-5):
   * the hand-worked cases of §3, exactly;
   * each function against a naive plain-Python reference (loops over Python floats, math.exp / math.log),
     written here independently of common.py, on seeded random tensors of several shapes and masks;
@@ -235,7 +235,7 @@ def py_kl(lp, ref, kind):
 
 
 ########################################################################################################################
-# 1. worked cases of REFERENCE.md §3
+# 1. worked cases, computed by hand
 ########################################################################################################################
 
 
@@ -336,7 +336,7 @@ def test_worked_entropy():
     assert entropy_from_logits(torch.tensor([0.0, math.log(3)])).item() == pytest.approx(0.5623351, abs=TOL)
     tempered = torch.tensor([0.0, 2 * math.log(3)]) / 2.0
     assert entropy_from_logits(tempered).item() == pytest.approx(0.5623351, abs=TOL)
-    # without dividing by the temperature the answer is different (the trap REFERENCE.md warns about)
+    # without dividing by the temperature the answer is different (the classic trap: the ratio is then not 1 on-policy)
     assert entropy_from_logits(torch.tensor([0.0, 2 * math.log(3)])).item() != pytest.approx(0.5623351, abs=1e-3)
 
 
@@ -593,7 +593,7 @@ def test_group_advantages_group_size_one(norm_std):
 @pytest.mark.parametrize("value", [0.0, 1.0, -1.0, 0.5, 0.15, 0.1, 0.3, 10.0 / 3])
 @pytest.mark.parametrize("n", [2, 3, 4, 7, 16])
 def test_group_advantages_all_equal_any_value_gives_zeros(value, n):
-    """REFERENCE.md: 'A group whose scores are all equal gives 0, never NaN' -- for any score, including the
+    """A group whose scores are all equal gives 0, never NaN -- for any score, including the
     bandit's low-risk payout 0.15 and the -0.1 format penalty, not only for dyadic values like 1.0."""
     S = torch.full((2, n), value)
     S[1] = torch.linspace(0, 1, n)  # a normal group alongside must not matter
@@ -738,7 +738,7 @@ def test_policy_loss_on_policy_ratio_one(mode):
 
 
 def test_policy_loss_clip_fractions_use_strict_inequalities():
-    """REFERENCE.md: clipfrac = mean[L2 > L1], clipfrac_lower = mean[Lc > -A*c and A < 0]; ties do not count.
+    """veRL: clipfrac = mean[L2 > L1], clipfrac_lower = mean[Lc > -A*c and A < 0]; ties do not count.
     With ratio exactly 1 and c = 1, L1 == L2 == Lc == -A*c for every token."""
     logp = torch.tensor([[-1.0, -2.0, -0.5]])
     adv = torch.tensor([[-1.0, -2.0, 1.0]])

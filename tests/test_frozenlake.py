@@ -4,11 +4,8 @@ accounting (mask, log-prob consistency, no gradient through observations), flags
 import contextlib
 import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from collections import Counter
 from fractions import Fraction
@@ -21,7 +18,7 @@ import torch
 import common
 import report
 import starpo_frozenlake as fl
-from conftest import ROOT
+from conftest import FakeTok, run_script_file, scripted
 
 OPEN_4X4 = ["FFFF", "FSFF", "FFFF", "FFFG"]  # no holes: the player at (1, 1)
 UNUSED_DIR = str(Path(tempfile.gettempdir()) / "frozenlake-test-args-never-written")  # resolve_args needs a run dir
@@ -169,41 +166,6 @@ def test_parse_reply(text, think, answer):
 
 
 # ---- budget and penalty rules: a scripted "model" replays fixed texts ------------------------------------------------
-
-
-class FakeTok:
-    """Just enough of a tokenizer for rollout(): one token per character, <|im_end|> = 1."""
-
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + "<|im_start|>assistant\n"
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(ch) + 10 for ch in text]}
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join("<|im_end|>" if i == 1 else chr(i - 10) for i in ids)
-
-    def convert_tokens_to_ids(self, token):
-        return 1 if token == "<|im_end|>" else None
-
-    def get_vocab(self):
-        return {"<|im_end|>": 1}
-
-    eos_token_id = 1
-
-
-def scripted(answers_per_turn):
-    """A generate() whose reply at turn j is answers_per_turn[j] for every episode (closed with <|im_end|>)."""
-    tok, calls = FakeTok(), []
-
-    def generate(prompts, temperature):
-        j = len(calls)
-        calls.append(prompts)
-        text = f"<think> t </think> <answer> {answers_per_turn[j]} </answer>"
-        return [(tok(text)["input_ids"] + [1], [-0.5] * (len(text) + 1)) for _ in prompts]
-
-    return generate, tok, calls
 
 
 @contextlib.contextmanager
@@ -411,7 +373,7 @@ def test_dp_3x3_hand_worked():
 
 
 def test_dp_baselines_on_the_evaluation_maps():
-    """The scale the script logs next to val/success: random well below optimal, both in the range REFERENCE §1
+    """The scale the script logs next to val/success: random well below optimal, both in the range RAGEN reports
     describes (random about a fifth, optimal about a half: the closed-loop optimum, an upper bound for the agent)."""
     scale = fl.baselines(args_for())
     assert 0.18 < scale["val/random_success"] < 0.26 and 0.42 < scale["val/optimal_success"] < 0.56
@@ -547,8 +509,7 @@ SMALL = ["--val-size", "6", "--n-groups", "2", "--group-size", "3", "--eval-ever
 
 
 def run_script(*flags, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "starpo_frozenlake.py"), *flags], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ), cwd=ROOT)
+    return run_script_file("starpo_frozenlake.py", *flags, timeout=timeout)
 
 
 def read(path):

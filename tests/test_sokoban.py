@@ -3,17 +3,14 @@ resume, the non-finite guard and --mask-truncated."""
 
 import itertools
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import common
 import starpo_sokoban as ss
-from conftest import ROOT
+from conftest import run_script_file
 
 # ---- rules ------------------------------------------------------------------------------------------------------
 
@@ -127,7 +124,7 @@ def test_500_rooms_well_formed_and_solvable():
         for move in path:
             _, _, done, _ = copy.step(move)
         assert done
-    # REFERENCE §1: ~99.7% solvable within 10 moves, a few need 11 or so; a random mover solves ~23%
+    # RAGEN's rooms: ~99.7% solvable within 10 moves, a few need 11 or so; a random mover solves ~23%
     assert sum(n <= 10 for n in lengths) / len(lengths) >= 0.98
     assert 2 <= sorted(lengths)[len(lengths) // 2] <= 5
 
@@ -156,7 +153,7 @@ def test_room_is_a_pure_function_of_the_seed():
 def test_random_success_estimate_matches_reference():
     rng = random.Random(0)
     est = sum(ss.random_success(ss.SokobanEnv(size=6, num_boxes=1), s, 10, 20, rng) for s in range(300)) / 300
-    assert 0.17 <= est <= 0.29  # REFERENCE §1: about 23%
+    assert 0.17 <= est <= 0.29  # RAGEN's rooms: about 23%
 
 
 # ---- solver ------------------------------------------------------------------------------------------------------
@@ -403,8 +400,7 @@ def test_generation_logprobs_match_update_pass(tiny, k):
 
 
 def run_script(*flags, timeout=900):
-    return subprocess.run([sys.executable, str(ROOT / "starpo_sokoban.py"), *flags], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ), cwd=ROOT)
+    return run_script_file("starpo_sokoban.py", *flags, timeout=timeout)
 
 
 def test_bad_flag_fails_in_one_line_from_the_command_line(tmp_path):

@@ -55,7 +55,8 @@ def blocks(path: Path) -> dict[str, Block]:
 
 
 def check(root: Path = ROOT, fix: bool = False) -> list[str]:
-    """One message per problem: a copy that differs from its source, a marker naming nothing, a copy of a copy."""
+    """One message per problem: a copy that differs from its source, a marker naming nothing, a copy of a copy,
+    and identical definitions that are not marked as copies."""
     problems = []
     files = sorted(root.glob("starpo_*.py"))
     parsed = {p.stem: blocks(p) for p in files}
@@ -88,6 +89,17 @@ def check(root: Path = ROOT, fix: bool = False) -> list[str]:
             fixed[b.start : b.end] = want
         if fix and fixed != lines:
             path.write_text("\n".join(fixed) + "\n", encoding="utf-8")
+    # Repetition that is not a marked copy: the same definition, word for word, in two scripts, neither marked.
+    texts = {}
+    for path in files:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for b in parsed[path.stem].values():
+            if b.marker is None and b.end - b.start >= 3:
+                texts.setdefault("\n".join(lines[b.start : b.end]), []).append(f"{path.stem}.{b.name}")
+    for text, where in texts.items():
+        if len(where) > 1:
+            problems.append(f"{' and '.join(where)} are identical but not marked: mark all but one "
+                            f"'# Copied from {where[0]}'")
     return problems
 
 

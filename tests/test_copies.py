@@ -1,0 +1,83 @@
+"""The training scripts' deliberate copies (`# Copied from starpo_X.name`) equal their sources, and a drifted copy
+fails, naming the block and its first differing line (tools/check_copies.py, run here on temporary copies too)."""
+
+import shutil
+import subprocess
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import check_copies  # noqa: E402
+
+SCRIPTS = ["starpo_bandit.py", "starpo_frozenlake.py", "starpo_sokoban.py"]
+# The multi-turn core lives once, in starpo_sokoban.py; starpo_frozenlake.py carries it as marked copies.
+MULTI_TURN_CORE = {"Turn", "Trajectory", "rollout", "rollout_record", "context_ids", "Row", "training_rows",
+                   "place_rewards", "collate", "micro_view", "policy_forward", "Critic", "evaluate", "episode_stats",
+                   "reply_stats", "print_sample", "parse_actions", "main"}
+# ... and what all three share lives once, in starpo_bandit.py.
+SHARED_BY_ALL = {"hf_generate", "top_p_filter", "cut_at_stop", "stop_token_ids", "vllm_engine", "vllm_engine_kwargs",
+                 "vllm_sampling_kwargs", "vllm_generate", "vllm_push_weights", "parse_reply", "_between",
+                 "echo_trap_warnings", "micro_batches", "common_checks", "resolve_run", "weighted_rubric", "score_turn",
+                 "old_logprobs", "ppo_update", "filter_stats", "FORMAT_RE", "format_reward", "ALGOS"}
+
+
+def markers(script: str) -> dict[str, tuple]:
+    return {name: b.marker for name, b in check_copies.blocks(ROOT / script).items() if b.marker}
+
+
+def test_every_copy_is_identical_to_its_source():
+    assert check_copies.check(ROOT) == []
+
+
+def test_the_shared_blocks_are_marked_copies_of_one_source():
+    fl, sk = markers("starpo_frozenlake.py"), markers("starpo_sokoban.py")
+    assert {n for n, m in fl.items() if m[0] == "starpo_sokoban"} == MULTI_TURN_CORE
+    assert {n for n, m in fl.items() if m[0] == "starpo_bandit"} == SHARED_BY_ALL
+    assert {n for n, m in sk.items() if m[0] == "starpo_bandit"} == SHARED_BY_ALL
+    assert markers("starpo_bandit.py") == {}  # the bandit is a source only
+
+
+def copy_scripts(tmp_path):
+    for name in SCRIPTS:
+        shutil.copy(ROOT / name, tmp_path / name)
+    return tmp_path
+
+
+def test_a_changed_line_inside_a_copy_fails_naming_the_block_and_the_line(tmp_path):
+    root = copy_scripts(tmp_path)
+    path = root / "starpo_frozenlake.py"
+    original = path.read_text()
+    old = "            t.mask += [1] * len(r_ids)\n"
+    assert original.count(old) == 1
+    path.write_text(original.replace(old, "            t.mask += [1] * len(r_ids)  # edited\n"))
+    (problem,) = check_copies.check(root)
+    line = original[: original.index(old)].count("\n") + 1
+    assert problem.startswith(f"starpo_frozenlake.py:") and " rollout: differs from starpo_sokoban.rollout" in problem
+    assert f"at line {line} " in problem and "# edited" in problem
+    # the command line says so too (exit 1), and --fix puts the source's text back
+    cmd = [sys.executable, str(ROOT / "tools" / "check_copies.py"), "--root", str(root)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 1 and "rollout" in res.stdout
+    assert subprocess.run(cmd + ["--fix"], capture_output=True, text=True).returncode == 0
+    assert path.read_text() == original and check_copies.check(root) == []
+
+
+def test_a_changed_source_fails_every_copy(tmp_path):
+    root = copy_scripts(tmp_path)
+    path = root / "starpo_bandit.py"
+    text = path.read_text()
+    old = "    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)\n"
+    path.write_text(text.replace(old, old.replace("torch.arange(n)", "torch.arange(n).flip(0)")))
+    problems = check_copies.check(root)
+    assert len(problems) == 2 and all("micro_batches: differs from starpo_bandit.micro_batches" in p for p in problems)
+
+
+def test_bad_markers_and_unmarked_repetition_are_reported(tmp_path):
+    root = copy_scripts(tmp_path)
+    path = root / "starpo_sokoban.py"
+    text = path.read_text()
+    path.write_text(text.replace("# Copied from starpo_bandit.micro_batches\n", "# Copied from starpo_bandit.no_such_block\n"))
+    assert any("starpo_bandit.no_such_block, which does not exist" in p for p in check_copies.check(root))
+    path.write_text(text.replace("# Copied from starpo_bandit.micro_batches\n", ""))  # the same code, unmarked
+    assert any("micro_batches" in p and "identical but not marked" in p for p in check_copies.check(root))

@@ -1,0 +1,75 @@
+"""One metric schema: a key means the same thing in every script and in both splits (the README's glossary).
+
+Both multi-turn scripts play the same scripted replies (three turns of one invalid word each, so no episode ends
+early and nothing depends on the task); their shared statistics must agree key for key and value for value. The
+bandit logs the subset that applies to a one-turn task, with the same meaning.
+"""
+
+import pytest
+
+import common
+import starpo_bandit as sb
+import starpo_frozenlake as fl
+import starpo_sokoban as ss
+from conftest import FakeTok
+
+REPLY = "<think> same words </think> <answer> Jump </answer>"  # 52 characters: 52 tokens + <|im_end|>
+
+
+def generate(prompts, temperature):
+    tok = FakeTok()
+    return [(tok(REPLY)["input_ids"] + [1], [-0.5] * (len(REPLY) + 1)) for _ in prompts]
+
+
+def multi_turn(script, seeds=(1, 2, 3)):
+    args = script.Args(max_turns=3)
+    trajs = script.rollout(generate, FakeTok(), list(seeds), args, 1.0, script.RUBRIC)
+    return {**script.episode_stats(trajs, "train"), **script.reply_stats(trajs)}, trajs
+
+
+def test_multi_turn_scripts_log_the_same_keys_with_the_same_values():
+    a, ta = multi_turn(fl)
+    b, tb = multi_turn(ss)
+    shared = set(a) & set(b)
+    assert set(a) - shared == {"rubric/env_reward", "rubric/format_penalty", "rubric/format_reward"} - shared
+    assert set(a) == set(b)  # the same rubric component names, too
+    for key in sorted(shared - {"sequence_length/mean", "train/reward", "train/reward_min", "train/reward_max"}):
+        assert a[key] == pytest.approx(b[key]), key  # the prompts differ by task; these must not
+    assert a["train/num_turns"] == 3 and a["train/num_actions"] == 0 and a["train/action_is_valid"] == 0.0
+    # response_length/mean is tokens per reply (per turn), never per episode: 3 turns of 53 tokens log 53
+    assert a["response_length/mean"] == b["response_length/mean"] == len(REPLY) + 1
+    assert a["think_length/mean"] == len("same words")
+    assert a["rubric/format_penalty"] == b["rubric/format_penalty"] == -3.0  # summed per episode: three bad turns
+    # the rubric totals differ only by the weights each script gives the same components
+    wa = dict((fn.__name__, w) for fn, w in fl.RUBRIC)["format_penalty"]
+    wb = dict((fn.__name__, w) for fn, w in ss.RUBRIC)["format_penalty"]
+    assert a["train/reward"] == pytest.approx(-3 * wa) and b["train/reward"] == pytest.approx(-3 * wb)
+
+
+def test_train_and_val_splits_share_their_keys():
+    for script in (fl, ss):
+        args = script.Args(max_turns=3, val_size=2)
+        val, _ = script.evaluate(generate, FakeTok(), args, script.RUBRIC)
+        train = script.episode_stats(multi_turn(script)[1], "train")
+        assert {k.split("/", 1)[1] for k in val} == {k.split("/", 1)[1] for k in train}, script.__name__
+
+
+def test_the_bandit_logs_the_same_keys_where_they_apply():
+    trajs = sb.rollout(generate, FakeTok(), [1, 2], dict(), 1.0, 10**6, sb.RUBRIC)
+    a = {**sb.episode_stats(trajs, "train"), **sb.reply_stats(trajs)}
+    b, _ = multi_turn(fl)
+    missing = set(a) - set(b)
+    assert missing <= {"rubric/invalid_answer_penalty"}, missing  # its own rubric component, nothing else new
+    assert a["response_length/mean"] == len(REPLY) + 1 == b["response_length/mean"]  # per reply, like the others
+    assert a["train/action_is_valid"] == 0.0 and a["think_length/mean"] == len("same words")
+
+
+def test_filter_stats_are_one_function_everywhere():
+    import torch
+
+    std, kept = torch.tensor([0.0, 0.5, 1.0, 0.0]), torch.tensor([2, 1])
+    out = sb.filter_stats(std, kept, 8)
+    assert out == fl.filter_stats(std, kept, 8) == ss.filter_stats(std, kept, 8)
+    assert out["rollout/zero_std_frac"] == 0.5 and out["rollout/chosen_in_group_std"] == 0.75
+    assert out["rollout/kept_groups"] == 2 and out["rollout/trained_rows"] == 8
+    assert common.given_fields(fl.Args(max_turns=3)) == {"max_turns"}
