@@ -279,7 +279,9 @@ def parse_args(cls, argv=None, description: str | None = None, presets: dict | N
     default. The returned instance carries `given`, the set of fields set on the command line, so that a preset or
     a resumed run's config fills only the others (a flag you type always wins).
     """
-    overrides = {f"--preset {k}": v for k, v in (presets or {}).items()} | {f"--algo {k}": v for k, v in (algos or {}).items()}
+    overrides = {f"--preset {k}": v for k, v in (presets or {}).items()} | {
+        f"--algo {k}": v for k, v in (algos or {}).items()
+    }
 
     def build(suppress: bool) -> argparse.ArgumentParser:
         parser = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -444,8 +446,17 @@ def build_tiny_model(
     examples: (chat messages, assistant reply) pairs for the format warm-up. The cache key hashes the examples
     and the recipe, so editing the prompt rebuilds the model; the build is deterministic from `seed`.
     """
-    recipe = dict(v=TINY_VERSION, seed=seed, vocab=vocab_size, hidden=hidden_size, layers=num_layers,
-                  steps=sft_steps, bs=sft_batch_size, lr=sft_lr, torch=torch.__version__.split("+")[0])
+    recipe = dict(
+        v=TINY_VERSION,
+        seed=seed,
+        vocab=vocab_size,
+        hidden=hidden_size,
+        layers=num_layers,
+        steps=sft_steps,
+        bs=sft_batch_size,
+        lr=sft_lr,
+        torch=torch.__version__.split("+")[0],
+    )
     key = hashlib.sha256(json.dumps([recipe, examples], sort_keys=True).encode()).hexdigest()[:12]
     out = tiny_cache_root() / f"tiny-{name}-{key}"
     if (out / "build_info.json").exists():
@@ -461,11 +472,16 @@ def build_tiny_model(
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     corpus = [m["content"] for msgs, _ in examples for m in msgs] + [reply for _, reply in examples]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  chat_template=TINY_CHAT_TEMPLATE)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE
+    )
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
 
     # Data: loss only on the assistant reply (and its closing <|im_end|>).
@@ -478,18 +494,30 @@ def build_tiny_model(
     max_len = max(len(ids) for ids, _ in rows)
 
     seed_everything(seed)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=hidden_size * 3,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = Qwen2ForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=sft_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / sft_steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / sft_steps))
+    )
     rng = random.Random(seed)
     model.train()
     for step in range(sft_steps):
-        input_ids, labels, attn = sft_batch([rows[rng.randrange(len(rows))] for _ in range(sft_batch_size)], tok.pad_token_id)
+        input_ids, labels, attn = sft_batch(
+            [rows[rng.randrange(len(rows))] for _ in range(sft_batch_size)], tok.pad_token_id
+        )
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -506,8 +534,14 @@ def build_tiny_model(
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    info = dict(recipe, name=name, params=sum(p.numel() for p in model.parameters()), max_len=max_len,
-                final_sft_loss=round(loss.item(), 4), build_seconds=round(time.time() - t0, 1))
+    info = dict(
+        recipe,
+        name=name,
+        params=sum(p.numel() for p in model.parameters()),
+        max_len=max_len,
+        final_sft_loss=round(loss.item(), 4),
+        build_seconds=round(time.time() - t0, 1),
+    )
     (tmp / "build_info.json").write_text(json.dumps(info, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -534,7 +568,9 @@ def prepare_run_dir(out_dir: Path, resume: bool, overwrite: bool) -> Path | None
             fail("--resume", f"no complete checkpoint under {out_dir / 'checkpoints'}")
         return ckpt
     if has_run and not overwrite:
-        fail("--output-dir", f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+        fail(
+            "--output-dir", f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it"
+        )
     for name in ("metrics.jsonl", "rollouts.jsonl", "report.html", "config.json"):
         (out_dir / name).unlink(missing_ok=True)
     shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
@@ -560,9 +596,12 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def rng_state(*generators: torch.Generator) -> dict:
-    state = {"python": random.getstate(), "numpy": [torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x
-                                                    for x in np.random.get_state()],
-             "torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+    state = {
+        "python": random.getstate(),
+        "numpy": [torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+        "generators": [g.get_state() for g in generators],
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -628,9 +667,11 @@ class GracefulStop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested}: finishing this step, then saving a checkpoint and stopping "
-              "(press Ctrl-C again to stop at once)", file=sys.stderr)
-
+        print(
+            f"\n{self.requested}: finishing this step, then saving a checkpoint and stopping "
+            "(press Ctrl-C again to stop at once)",
+            file=sys.stderr,
+        )
 
 
 #### The run: everything in main() that is not the algorithm ##########################################################
@@ -648,12 +689,15 @@ class Run:
         checkpoints every --save-every steps, and the Ctrl-C / SIGTERM stop with a copy-pasteable resume command.
     """
 
-    def __init__(self, args, task: str, script: str, resume_from: Path | None, policy, tok, state: dict,
-                 generators: list, config: dict, warnings_fn):
+    def __init__(self, args, task: str, resume_from: Path | None, policy, tok, state: dict, config: dict, warnings_fn):
+        """state: what a checkpoint holds besides the policy, by name: optimizers, the critic (None: nothing),
+        torch.Generators (saved with the RNG states). config: extra entries for config.json."""
         from report import build_report  # report.py is plumbing too; imported here so common.py stands alone
 
-        self.args, self.task, self.script, self.policy, self.tok = args, task, script, policy, tok
-        self.state, self.generators, self.warnings_fn, self.build_report = state, generators, warnings_fn, build_report
+        self.args, self.task, self.script, self.policy, self.tok = args, task, f"starpo_{task}.py", policy, tok
+        self.generators = [v for v in state.values() if isinstance(v, torch.Generator)]
+        self.state = {k: v for k, v in state.items() if v is not None and not isinstance(v, torch.Generator)}
+        self.warnings_fn, self.build_report = warnings_fn, build_report
         self.out_dir = Path(args.output_dir)
         self.resume_from = resume_from
         self.start_step, self.history, self.warned, self.skipped_in_a_row, self.time_before = 1, [], set(), 0, 0.0
@@ -661,10 +705,9 @@ class Run:
             (self.out_dir / "config.json").write_text(json.dumps(dict(dataclasses.asdict(args), **config), indent=1))
         else:
             saved = load_checkpoint_state(resume_from)
-            for name, obj in state.items():
-                if obj is not None:
-                    obj.load_state_dict(saved[name])
-            set_rng_state(saved["rng"], *generators)
+            for name, obj in self.state.items():
+                obj.load_state_dict(saved[name])
+            set_rng_state(saved["rng"], *self.generators)
             self.start_step, self.history = saved["step"] + 1, saved["history"]
             self.warned, self.skipped_in_a_row = set(saved["warned"]), saved["skipped_in_a_row"]
             self.time_before = float(saved.get("time_s", 0.0))
@@ -714,8 +757,9 @@ class Run:
 
     def steps(self, desc: str):
         """The training steps still to run, under a progress bar; phase timers start afresh each step."""
-        self.bar = tqdm_bar(range(self.start_step, self.args.steps + 1), desc=desc, initial=self.start_step - 1,
-                            total=self.args.steps)
+        self.bar = tqdm_bar(
+            range(self.start_step, self.args.steps + 1), desc=desc, initial=self.start_step - 1, total=self.args.steps
+        )
         for step in self.bar:
             self.timings, self.t_step = {}, time.time()
             yield step
@@ -742,8 +786,10 @@ class Run:
         record.update({f"timing_s/{k}": v for k, v in timings.items()})
         self.history.append({k: v for k, v in record.items() if k in ("rollout/in_group_std", "actor/grad_norm")})
         if skipped:
-            write_line(f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient "
-                       f"({self.skipped_in_a_row} step(s) in a row)")
+            write_line(
+                f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient "
+                f"({self.skipped_in_a_row} step(s) in a row)"
+            )
         for msg in self.warnings_fn(self.history, self.warned):
             write_line(f"[echo-trap warning, step {step}] {msg}")
             record["warn/echo_trap"] = 1
@@ -753,22 +799,39 @@ class Run:
         if "val/success" in record:
             self._print_eval(step, record)
             self.build_report(self.out_dir)
-        self.bar.set_postfix({"succ": f"{record['train/success']:.2f}", "val": f"{self.last_val:.2f}",
-                              "std": f"{record['rollout/in_group_std']:.3f}", "ent": f"{record.get('actor/entropy', 0):.2f}"})
+        self.bar.set_postfix(
+            {
+                "succ": f"{record['train/success']:.2f}",
+                "val": f"{self.last_val:.2f}",
+                "std": f"{record['rollout/in_group_std']:.3f}",
+                "ent": f"{record.get('actor/entropy', 0):.2f}",
+            }
+        )
         if self.skipped_in_a_row >= args.max_skipped:
-            fail("--max-skipped", f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
-                                  f"without saving. Last good checkpoint: {latest_checkpoint(self.out_dir) or 'none'}")
+            fail(
+                "--max-skipped",
+                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
+                f"without saving. Last good checkpoint: {latest_checkpoint(self.out_dir) or 'none'}",
+            )
         if step == args.steps or (args.save_every and step % args.save_every == 0) or self.stop.requested:
             path = self.checkpoint(step)
             if self.stop.requested and step < args.steps:
-                write_line(f"stopped by {self.stop.requested} after step {step}; checkpoint {path}. Continue with: "
-                           f"python {self.script} --resume --output-dir {self.out_dir}")
+                write_line(
+                    f"stopped by {self.stop.requested} after step {step}; checkpoint {path}. Continue with: "
+                    f"python {self.script} --resume --output-dir {self.out_dir}"
+                )
                 raise SystemExit(130 if self.stop.requested == "SIGINT" else 143)
 
     def checkpoint(self, step: int) -> Path:
-        state = dict(step=step, rng=rng_state(*self.generators), history=self.history, warned=sorted(self.warned),
-                     skipped_in_a_row=self.skipped_in_a_row, time_s=self.time_s())
-        state.update({name: obj.state_dict() for name, obj in self.state.items() if obj is not None})
+        state = dict(
+            step=step,
+            rng=rng_state(*self.generators),
+            history=self.history,
+            warned=sorted(self.warned),
+            skipped_in_a_row=self.skipped_in_a_row,
+            time_s=self.time_s(),
+        )
+        state.update({name: obj.state_dict() for name, obj in self.state.items()})
         return save_checkpoint(self.out_dir, step, self.policy, self.tok, state, self.args.keep_checkpoints)
 
     def finish(self, extra: str = "") -> None:
@@ -779,9 +842,11 @@ class Run:
 
         evals = [r for r in read_jsonl(self.out_dir / "metrics.jsonl") if "val/success" in r]
         last = latest_checkpoint(self.out_dir)  # none when --steps 0
-        write_line(f"done: {self.args.steps} steps in {self.time_s():.0f}s, final val/success "
-                   f"{evals[-1]['val/success']:.3f}{extra}; policy: {last / 'policy' if last else 'none saved'}; "
-                   f"report: {self.build_report(self.out_dir)}")
+        write_line(
+            f"done: {self.args.steps} steps in {self.time_s():.0f}s, final val/success "
+            f"{evals[-1]['val/success']:.3f}{extra}; policy: {last / 'policy' if last else 'none saved'}; "
+            f"report: {self.build_report(self.out_dir)}"
+        )
 
 
 def tqdm_bar(iterable, **kw):

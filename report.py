@@ -153,43 +153,61 @@ def line_chart(title: str, lines: list, x_range: tuple, baselines=(), warnings=(
     py = lambda y: H - BOTTOM - (y - lo) / (hi - lo) * (H - TOP - BOTTOM)  # noqa: E731
     out = [head, f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{esc(title)}">']
     for t in yt:  # horizontal grid lines with y tick labels
-        out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>'
-                   f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" class="tick" text-anchor="end">{fmt(t)}</text>')
+        out.append(
+            f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>'
+            f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" class="tick" text-anchor="end">{fmt(t)}</text>'
+        )
     for t in xt:
-        out.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{H - BOTTOM}" y2="{H - BOTTOM + 4}" class="axis"/>'
-                   f'<text x="{px(t):.1f}" y="{H - BOTTOM + 16}" class="tick" text-anchor="middle">{int(t)}</text>')
-    out.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP - 6}" y2="{H - BOTTOM}" class="axis"/>'
-               f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{H - BOTTOM}" y2="{H - BOTTOM}" class="axis"/>'
-               f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 4}" class="label" text-anchor="middle">step</text>'
-               f'<text transform="translate(11 {(TOP + H - BOTTOM) / 2}) rotate(-90)" class="label" '
-               f'text-anchor="middle">{esc(ylabel)}</text>')
+        out.append(
+            f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{H - BOTTOM}" y2="{H - BOTTOM + 4}" class="axis"/>'
+            f'<text x="{px(t):.1f}" y="{H - BOTTOM + 16}" class="tick" text-anchor="middle">{int(t)}</text>'
+        )
+    out.append(
+        f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP - 6}" y2="{H - BOTTOM}" class="axis"/>'
+        f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{H - BOTTOM}" y2="{H - BOTTOM}" class="axis"/>'
+        f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 4}" class="label" text-anchor="middle">step</text>'
+        f'<text transform="translate(11 {(TOP + H - BOTTOM) / 2}) rotate(-90)" class="label" '
+        f'text-anchor="middle">{esc(ylabel)}</text>'
+    )
     for step in warnings:
-        out.append(f'<g class="echo-trap"><title>echo-trap warning at step {int(step)}</title>'
-                   f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="{WARN_COLOUR}" '
-                   f'stroke-dasharray="3 3" stroke-width="1.5"/><path d="M{px(step) - 5:.1f},{TOP - 8} h10 l-5,8 z" '
-                   f'fill="{WARN_COLOUR}"/></g>')
+        out.append(
+            f'<g class="echo-trap"><title>echo-trap warning at step {int(step)}</title>'
+            f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="{WARN_COLOUR}" '
+            f'stroke-dasharray="3 3" stroke-width="1.5"/><path d="M{px(step) - 5:.1f},{TOP - 8} h10 l-5,8 z" '
+            f'fill="{WARN_COLOUR}"/></g>'
+        )
     for label, v, colour in baselines:
-        out.append(f'<line class="baseline" x1="{LEFT}" x2="{W - RIGHT}" y1="{py(v):.1f}" y2="{py(v):.1f}" '
-                   f'stroke="{colour}" stroke-width="1.5" stroke-dasharray="6 4">'
-                   f'<title>{esc(label)} {fmt(v)}</title></line>')
+        out.append(
+            f'<line class="baseline" x1="{LEFT}" x2="{W - RIGHT}" y1="{py(v):.1f}" y2="{py(v):.1f}" '
+            f'stroke="{colour}" stroke-width="1.5" stroke-dasharray="6 4">'
+            f'<title>{esc(label)} {fmt(v)}</title></line>'
+        )
     for label, pts, colour in lines:
         segment: list[str] = []
         for x, y in pts + [(None, None)]:  # a None value (NaN) ends the current segment
             if y is not None:
                 segment.append(f"{px(x):.1f},{py(y):.1f}")
             elif segment:
-                out.append(f'<polyline points="{" ".join(segment)}" fill="none" stroke="{colour}" stroke-width="2" '
-                           f'stroke-linejoin="round"/>')
+                out.append(
+                    f'<polyline points="{" ".join(segment)}" fill="none" stroke="{colour}" stroke-width="2" '
+                    f'stroke-linejoin="round"/>'
+                )
                 segment = []
         if len(pts) <= 60:  # dots (with a hover title) while they do not clutter the line
-            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.8" fill="{colour}">'
-                    f'<title>{esc(label)} step {int(x)}: {y:.4g}</title></circle>' for x, y in pts if y is not None]
+            out += [
+                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.8" fill="{colour}">'
+                f'<title>{esc(label)} step {int(x)}: {y:.4g}</title></circle>'
+                for x, y in pts
+                if y is not None
+            ]
     legend = [(label, colour, "") for label, _, colour in lines] + [(label, c, "6 4") for label, _, c in baselines]
     legend += [("echo trap", WARN_COLOUR, "3 3")] if warnings else []
     x = LEFT + 6
     for label, colour, dash in legend:  # one row of "—— label" along the top
-        out.append(f'<line x1="{x}" x2="{x + 16}" y1="{TOP - 16}" y2="{TOP - 16}" stroke="{colour}" stroke-width="2.5" '
-                   f'stroke-dasharray="{dash}"/><text x="{x + 20}" y="{TOP - 12}" class="legend">{esc(label)}</text>')
+        out.append(
+            f'<line x1="{x}" x2="{x + 16}" y1="{TOP - 16}" y2="{TOP - 16}" stroke="{colour}" stroke-width="2.5" '
+            f'stroke-dasharray="{dash}"/><text x="{x + 20}" y="{TOP - 12}" class="legend">{esc(label)}</text>'
+        )
         x += 30 + 6.2 * len(label)
     return "\n".join(out) + "</svg></figure>"
 
@@ -212,17 +230,31 @@ def charts(metrics: list[dict]) -> list[str]:
         return line_chart(title, lines, x_range, base, warnings, y_fixed, ylabel)
 
     out = [
-        chart("Success", [("train/success", "train"), ("val/success", "val")], "success rate", (0.0, 1.0),
-              [("val/random_success", "random"), ("val/optimal_success", "optimal")]),
+        chart(
+            "Success",
+            [("train/success", "train"), ("val/success", "val")],
+            "success rate",
+            (0.0, 1.0),
+            [("val/random_success", "random"), ("val/optimal_success", "optimal")],
+        ),
         chart("Reward", [("train/reward", "train"), ("val/reward", "val")], "rubric total"),
-        chart("In-group reward std", [("rollout/in_group_std", "before filter"),
-                                      ("rollout/chosen_in_group_std", "after filter")], "std"),
+        chart(
+            "In-group reward std",
+            [("rollout/in_group_std", "before filter"), ("rollout/chosen_in_group_std", "after filter")],
+            "std",
+        ),
         chart("Entropy", [("actor/entropy", "policy entropy")], "nats / token"),
         chart("Gradient norm", [("actor/grad_norm", "before clipping")], "L2 norm"),
-        chart("Response and think length", [("response_length/mean", "reply (tokens)"),
-                                            ("think_length/mean", "think (chars)")], "length"),
-        chart("Clip fractions", [("actor/pg_clipfrac", "clipped"), ("actor/pg_clipfrac_lower", "dual clip")],
-              "share of tokens"),
+        chart(
+            "Response and think length",
+            [("response_length/mean", "reply (tokens)"), ("think_length/mean", "think (chars)")],
+            "length",
+        ),
+        chart(
+            "Clip fractions",
+            [("actor/pg_clipfrac", "clipped"), ("actor/pg_clipfrac_lower", "dual clip")],
+            "share of tokens",
+        ),
     ]
     rubric = sorted({k for r in metrics for k in r if k.startswith("rubric/")})
     out += [chart(k, [(k, "train")], "mean (unweighted)") for k in rubric]
@@ -237,14 +269,27 @@ def charts(metrics: list[dict]) -> list[str]:
 # every task: a new environment whose legend says "wall", "player", "goal", ... is drawn with no change here, and
 # a name not listed gets a colour of its own (a stable hash of the name). One source for the page and the tests.
 CELL_STYLE = {
-    "wall": ["#57534e", ""], "floor": ["#f5f5f4", ""], "target": ["#f5f5f4", "target"], "box": ["#f5f5f4", "box"],
-    "box on target": ["#f5f5f4", "box-on-target"], "player": ["#e0e7ff", "player"],
-    "player on target": ["#f5f5f4", "player-on-target"], "frozen": ["#bfdbfe", ""], "hole": ["#1e3a8a", ""],
-    "goal": ["#22c55e", ""], "player in a hole": ["#1e3a8a", "fallen"], "player on goal": ["#22c55e", "player"],
+    "wall": ["#57534e", ""],
+    "floor": ["#f5f5f4", ""],
+    "target": ["#f5f5f4", "target"],
+    "box": ["#f5f5f4", "box"],
+    "box on target": ["#f5f5f4", "box-on-target"],
+    "player": ["#e0e7ff", "player"],
+    "player on target": ["#f5f5f4", "player-on-target"],
+    "frozen": ["#bfdbfe", ""],
+    "hole": ["#1e3a8a", ""],
+    "goal": ["#22c55e", ""],
+    "player in a hole": ["#1e3a8a", "fallen"],
+    "player on goal": ["#22c55e", "player"],
 }
 # what stands on a cell (see CELL_STYLE) -> its colour
-THING_COLOURS = {"player": "#2563eb", "fallen": "#dc2626", "box": "#b45309", "box-on-target": "#16a34a",
-                 "target": "#dc2626"}
+THING_COLOURS = {
+    "player": "#2563eb",
+    "fallen": "#dc2626",
+    "box": "#b45309",
+    "box-on-target": "#16a34a",
+    "target": "#dc2626",
+}
 ARM_CHOSEN_COLOUR = "#fcd34d"
 
 
@@ -295,34 +340,75 @@ def viewer_rollouts(rollouts: list[dict], task: str) -> tuple[list[dict], int]:
                 for t in r.get("turns") or []:
                     t = t if isinstance(t, dict) else {}
                     state, answer = clip_text(t.get("state")), t.get("answer")
-                    turns.append(dict(state=state, text=clip_text(t.get("text")),
-                                      answer=None if answer is None else clip_text(answer),
-                                      actions=[str(a) for a in t.get("actions") or []],
-                                      env_reward=number(t.get("env_reward")), score=number(t.get("score")),
-                                      rubric={str(k): number(v) for k, v in (t.get("rubric") or {}).items()},
-                                      grid=grid_of(t.get("view")), arms=arms_of(t.get("view"))))
+                    turns.append(
+                        dict(
+                            state=state,
+                            text=clip_text(t.get("text")),
+                            answer=None if answer is None else clip_text(answer),
+                            actions=[str(a) for a in t.get("actions") or []],
+                            env_reward=number(t.get("env_reward")),
+                            score=number(t.get("score")),
+                            rubric={str(k): number(v) for k, v in (t.get("rubric") or {}).items()},
+                            grid=grid_of(t.get("view")),
+                            arms=arms_of(t.get("view")),
+                        )
+                    )
                 seed = r.get("seed")
-                kept.append(dict(step=r["step"], split=split, seed=seed if isinstance(seed, (int, str)) else str(seed),
-                                 success=bool(r.get("success")), score=number(r.get("score")),
-                                 env_reward=number(r.get("env_reward")), turns=turns,
-                                 final_grid=grid_of(r.get("final_view"))))
+                kept.append(
+                    dict(
+                        step=r["step"],
+                        split=split,
+                        seed=seed if isinstance(seed, (int, str)) else str(seed),
+                        success=bool(r.get("success")),
+                        score=number(r.get("score")),
+                        env_reward=number(r.get("env_reward")),
+                        turns=turns,
+                        final_grid=grid_of(r.get("final_view")),
+                    )
+                )
     return kept, len(rollouts)
 
 
 def json_for_script(obj) -> str:
     """JSON safe inside <script type="application/json">: no '<' at all (so no </script> or <!--), no raw U+2028/9."""
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026") \
-               .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return (
+        text.replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
+    )
 
 
 ########################################################################################################################
 # THE PAGE
 ########################################################################################################################
 
-KEY_SETTINGS = ["algo", "estimator", "n_groups", "group_size", "keep_ratio", "lr", "critic_lr", "kl_coef", "clip_low",
-                "clip_high", "dual_clip", "entropy_coef", "loss_agg", "temperature", "max_tokens", "max_turns",
-                "max_actions_per_traj", "val_size", "eval_every", "seed", "backend", "device"]
+KEY_SETTINGS = [
+    "algo",
+    "estimator",
+    "n_groups",
+    "group_size",
+    "keep_ratio",
+    "lr",
+    "critic_lr",
+    "kl_coef",
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "entropy_coef",
+    "loss_agg",
+    "temperature",
+    "max_tokens",
+    "max_turns",
+    "max_actions_per_traj",
+    "val_size",
+    "eval_every",
+    "seed",
+    "backend",
+    "device",
+]
 
 
 def header(config: dict, metrics: list[dict], task: str, run_dir: Path) -> str:
@@ -335,12 +421,15 @@ def header(config: dict, metrics: list[dict], task: str, run_dir: Path) -> str:
     best = max(val, key=lambda sv: sv[1]) if val else None
     warn = [r["step"] for r in metrics if number(r.get("warn/echo_trap")) == 1]
     planned = config.get("steps")
-    facts = [("task", task), ("algorithm", f"{config.get('algo', '?')} / {config.get('estimator', '?')}"),
-             ("model", model),
-             ("steps run", f"{steps_run}" + (f" of {planned}" if planned else "")),
-             ("wall time", f"{int(wall // 3600)}:{int(wall % 3600 // 60):02d}:{int(wall % 60):02d}"),
-             ("best val/success", f"{best[1]:.3f} (step {best[0]})" if best else "—"),
-             ("last val/success", f"{val[-1][1]:.3f} (step {val[-1][0]})" if val else "—")]
+    facts = [
+        ("task", task),
+        ("algorithm", f"{config.get('algo', '?')} / {config.get('estimator', '?')}"),
+        ("model", model),
+        ("steps run", f"{steps_run}" + (f" of {planned}" if planned else "")),
+        ("wall time", f"{int(wall // 3600)}:{int(wall % 3600 // 60):02d}:{int(wall % 60):02d}"),
+        ("best val/success", f"{best[1]:.3f} (step {best[0]})" if best else "—"),
+        ("last val/success", f"{val[-1][1]:.3f} (step {val[-1][0]})" if val else "—"),
+    ]
     for key in ("val/random_success", "val/optimal_success"):
         vals = [v for _, v in series(metrics, key) if v is not None]
         if vals:
@@ -349,12 +438,15 @@ def header(config: dict, metrics: list[dict], task: str, run_dir: Path) -> str:
     cards = "".join(f'<div class="fact"><span>{esc(k)}</span><b>{esc(v)}</b></div>' for k, v in facts)
     settings = " · ".join(f"{esc(k)} <b>{esc(config[k])}</b>" for k in KEY_SETTINGS if k in config)
     full = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in config.items())
-    return (f'<header><h1>{esc(task)} · {esc(config.get("algo", "run"))} <small>{esc(run_dir.resolve())}</small></h1>'
-            f'<div class="facts">{cards}</div><p class="settings">{settings or "no config.json"}</p>'
-            f'<details><summary>full config</summary><table>{full}</table></details></header>')
+    return (
+        f'<header><h1>{esc(task)} · {esc(config.get("algo", "run"))} <small>{esc(run_dir.resolve())}</small></h1>'
+        f'<div class="facts">{cards}</div><p class="settings">{settings or "no config.json"}</p>'
+        f'<details><summary>full config</summary><table>{full}</table></details></header>'
+    )
 
 
-CSS = """
+CSS = (
+    """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:0;background:#f8fafc;color:#1f2937}
 main{max-width:1340px;margin:0 auto;padding:16px 20px 60px}
 h1{font-size:20px;margin:4px 0 12px}h1 small{font-size:12px;color:#6b7280;font-weight:400;margin-left:8px}
@@ -380,10 +472,13 @@ border-radius:6px;padding:8px}.think{background:#ede9fe;color:#4c1d95}.answer{ba
 table.rubric td{padding:0 12px 0 0;font-size:13px}pre.state{white-space:pre-wrap;font-size:12px}
 .arm{border:2px solid #d1d5db;border-radius:10px;padding:14px 18px;margin:0 0 8px;background:#fff;text-align:center}
 .arm b{display:block;font-size:16px}.arm span{font-size:11px;color:#6b7280}
-.arm.chosen{background:""" + ARM_CHOSEN_COLOUR + """;border-color:#b45309}
+.arm.chosen{background:"""
+    + ARM_CHOSEN_COLOUR
+    + """;border-color:#b45309}
 .ok{color:#15803d}.bad{color:#b91c1c}.muted{color:#6b7280}.legend-row{font-size:11px;color:#4b5563;margin-top:4px}
 .legend-row span{margin-right:10px;white-space:nowrap}.legend-row svg{vertical-align:-2px;outline:1px solid #d1d5db}
 """
+)
 
 # The viewer. Everything from the run goes in through textContent / setAttribute, never innerHTML.
 JS = r"""

@@ -132,7 +132,9 @@ class Args:
     """cap on the loss of negative-advantage tokens, > 1; 0 turns it off"""
     entropy_coef: float = 0.001
     """entropy bonus weight"""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     """how per-token losses are reduced"""
     norm_adv_by_std: bool = True
     """grpo: divide by the group std (off = Dr. GRPO)"""
@@ -182,10 +184,7 @@ class Args:
 
 # --preset: the defaults of every flag you do not give. The paper's are the field defaults above; the tiny model
 # learns from scratch-sized steps: far larger learning rates, short replies, fewer steps.
-PRESETS = {
-    "paper": {},
-    "tiny": dict(max_tokens=40, group_size=8, steps=40, lr=1e-4, critic_lr=1e-3),
-}
+PRESETS = {"paper": {}, "tiny": dict(max_tokens=40, group_size=8, steps=40, lr=1e-4, critic_lr=1e-3)}
 # --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
 ALGOS = {
     "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
@@ -286,15 +285,13 @@ def invalid_answer_penalty(t: Turn) -> float:
 
 
 # (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
-RUBRIC = [
-    (env_reward, 1.0),
-    (format_reward, 0.1),
-    (invalid_answer_penalty, 0.1),
-]
+RUBRIC = [(env_reward, 1.0), (format_reward, 0.1), (invalid_answer_penalty, 0.1)]
 
 
 # ---- WORKSHOP variants (WORKSHOP.md exercises 2 and 3; chosen with --rubric). Deliberately flawed ones first. ----
-FORMAT_RE_NO_DOTALL = re.compile(FORMAT_RE.pattern)  # the DOTALL trap: '.' stops at "\n", so "<think>\n..." never matches
+FORMAT_RE_NO_DOTALL = re.compile(
+    FORMAT_RE.pattern
+)  # the DOTALL trap: '.' stops at "\n", so "<think>\n..." never matches
 
 
 def format_reward_no_dotall(t: Turn) -> float:
@@ -323,7 +320,9 @@ RUBRICS = {
 
 def select_rubric(name: str, weights: str) -> list:
     """RUBRICS[name] with --rubric-weights applied. Raises ValueError on a bad spec."""
-    return weighted_rubric(RUBRIC if name == "default" else RUBRICS[name], weights)  # RUBRIC read now: a patched one trains
+    return weighted_rubric(
+        RUBRIC if name == "default" else RUBRICS[name], weights
+    )  # RUBRIC read now: a patched one trains
 
 
 def weighted_rubric(rubric: list, weights: str = "") -> list:
@@ -332,8 +331,10 @@ def weighted_rubric(rubric: list, weights: str = "") -> list:
     names = [fn.__name__ for fn, _ in rubric]
     bad = sorted({n for n in names if names.count(n) > 1 or not n.isidentifier()})
     if bad:
-        raise ValueError(f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
-                         f"fix: {', '.join(bad)}")
+        raise ValueError(
+            f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
+            f"fix: {', '.join(bad)}"
+        )
     rubric = list(rubric)
     for item in filter(None, (x.strip() for x in weights.split(","))):
         key, eq, value = item.partition("=")
@@ -386,7 +387,9 @@ def parse_reply(text: str) -> tuple[Optional[str], Optional[str]]:
 
 def stop_token_ids(tok) -> list[int]:
     """Token ids that end a reply: Qwen's <|im_end|> and <|endoftext|>, plus the tokenizer's eos."""
-    ids = {tok.eos_token_id} | {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()}
+    ids = {tok.eos_token_id} | {
+        tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()
+    }
     return sorted(i for i in ids if i is not None)
 
 
@@ -423,7 +426,9 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         distinct = list(dict.fromkeys(tuple(p) for p in chunk))
-        row = torch.tensor([distinct.index(tuple(p)) for p in chunk], device=device)  # (b,): chunk row -> distinct prompt
+        row = torch.tensor(
+            [distinct.index(tuple(p)) for p in chunk], device=device
+        )  # (b,): chunk row -> distinct prompt
         width = max(len(p) for p in distinct)
         input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
         attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
@@ -432,8 +437,14 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
             attn[j, width - len(p) :] = 1
         positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P): left padding must not shift positions
         cache = common.append_in_place_cache()
-        out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
         logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, P), (b, 1)
         tokens, logps = [], []
@@ -449,7 +460,9 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, P + t)
             pos = pos + 1
-            out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
+            )
             logits = out.logits[:, -1]  # (b, V)
         new, new_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (b, R)
         results += [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
@@ -466,17 +479,32 @@ def vllm_engine(args: Args, model_path: str):
 
 def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
     """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
-    return dict(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.max_model_len,
-                enable_prefix_caching=True, trust_remote_code=args.trust_remote_code,
-                logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
-                generation_config="vllm")  # ignore the checkpoint's sampling defaults and extra eos ids
+    return dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype="bfloat16",
+        seed=args.seed,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=True,
+        trust_remote_code=args.trust_remote_code,
+        logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
+        generation_config="vllm",
+    )  # ignore the checkpoint's sampling defaults and extra eos ids
 
 
 def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stops: list[int]) -> dict:
     """Keyword arguments for vllm.SamplingParams: same semantics as hf_generate (no top-k, no penalties)."""
-    return dict(n=1, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, stop_token_ids=stops,
-                logprobs=0, skip_special_tokens=False)
+    return dict(
+        n=1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        max_tokens=max_tokens,
+        stop_token_ids=stops,
+        logprobs=0,
+        skip_special_tokens=False,
+    )
 
 
 def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
@@ -527,15 +555,33 @@ def rollout_record(t: Trajectory, step: int, split: str) -> dict:
     """One line of rollouts.jsonl: the trajectory turn by turn (one turn on the bandit), with the environment's own
     view (env.describe()), so the report draws it without knowing the task. score = rubric total, env_reward = payout."""
     s = t.turn
-    turn = dict(state=t.state, view=t.view, text=s.text, think=s.think, answer=s.answer,
-                actions=[s.answer.strip()] if s.info["action_is_valid"] else [], env_reward=s.env_reward, score=t.score,
-                rubric=t.parts)
-    return dict(step=step, split=split, task=TASK, seed=t.seed, success=bool(s.info["success"]), score=t.score,
-                env_reward=s.env_reward, turns=[turn], final_view=None)
+    turn = dict(
+        state=t.state,
+        view=t.view,
+        text=s.text,
+        think=s.think,
+        answer=s.answer,
+        actions=[s.answer.strip()] if s.info["action_is_valid"] else [],
+        env_reward=s.env_reward,
+        score=t.score,
+        rubric=t.parts,
+    )
+    return dict(
+        step=step,
+        split=split,
+        task=TASK,
+        seed=t.seed,
+        success=bool(s.info["success"]),
+        score=t.score,
+        env_reward=s.env_reward,
+        turns=[turn],
+        final_view=None,
+    )
 
 
-def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, max_prompt_len: int,
-            rubric: list) -> list[Trajectory]:
+def rollout(
+    generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, max_prompt_len: int, rubric: list
+) -> list[Trajectory]:
     """One episode per seed: reset, prompt, sample a reply, parse, step, score.
 
     A prompt longer than max_prompt_len (= --max-model-len - --max-tokens) gets no reply: the episode ends as an
@@ -560,18 +606,31 @@ def rollout(generate, tok, seeds: list[int], env_kwargs: dict, temperature: floa
         _, reward, _, info = env.step(answer if answer is not None else "")
         turn = Turn(text=text, think=think, answer=answer, env_reward=reward, info=info)
         turn.reward, turn.parts = score_turn(turn, rubric)
-        trajs.append(Trajectory(seed, p_ids, r_ids, r_logps, turn, turn.reward, turn.parts, state, view,
-                                truncated=bool(r_ids) and r_ids[-1] not in stops, overflow=len(p_ids) > max_prompt_len))
+        trajs.append(
+            Trajectory(
+                seed,
+                p_ids,
+                r_ids,
+                r_logps,
+                turn,
+                turn.reward,
+                turn.parts,
+                state,
+                view,
+                truncated=bool(r_ids) and r_ids[-1] not in stops,
+                overflow=len(p_ids) > max_prompt_len,
+            )
+        )
     return trajs
 
 
 def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
     """Prompt left-padded, reply right-padded, so every reply starts at the same column P:
 
-        input_ids  (B, P + R):  [pad pad p p p | r r r pad]
-        reply_mask (B, R):                      [1 1 1 0  ]   gen_logprobs (B, R): the sampler's log-probs
-        group      (B,):        rows with the same prompt share a number (a GRPO group), so the forward passes can
-                                run that prompt once for all of them (see reply_outputs)
+    input_ids  (B, P + R):  [pad pad p p p | r r r pad]
+    reply_mask (B, R):                      [1 1 1 0  ]   gen_logprobs (B, R): the sampler's log-probs
+    group      (B,):        rows with the same prompt share a number (a GRPO group), so the forward passes can
+                            run that prompt once for all of them (see reply_outputs)
     """
     P = max(len(t.prompt_ids) for t in trajs)
     R = max(max(len(t.reply_ids) for t in trajs), 1)
@@ -589,28 +648,48 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     distinct = list(dict.fromkeys(tuple(t.prompt_ids) for t in trajs))
     group = torch.tensor([distinct.index(tuple(t.prompt_ids)) for t in trajs])
-    batch = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, reply_mask=reply_mask,
-                 gen_logprobs=gen_logprobs, reply_ids=input_ids[:, P:], prompt_len=torch.tensor([len(t.prompt_ids) for t in trajs]),
-                 reply_len=torch.tensor([len(t.reply_ids) for t in trajs]), group=group, P=P)
+    batch = dict(
+        input_ids=input_ids,
+        attention_mask=attn,
+        position_ids=position_ids,
+        reply_mask=reply_mask,
+        gen_logprobs=gen_logprobs,
+        reply_ids=input_ids[:, P:],
+        prompt_len=torch.tensor([len(t.prompt_ids) for t in trajs]),
+        reply_len=torch.tensor([len(t.reply_ids) for t in trajs]),
+        group=group,
+        P=P,
+    )
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
 def micro_view(batch: dict, idx: torch.Tensor) -> dict:
     """Rows idx of the batch, trimmed to their longest prompt and reply, with each distinct prompt stored once:
 
-        prompt_ids (u, p)  the u distinct prompts among the rows, left-padded; row (b,) maps a row to its prompt
-        reply_ids  (b, r)  the replies, right-padded; reply_in (b, r - 1) = the tokens fed after the prompt
+    prompt_ids (u, p)  the u distinct prompts among the rows, left-padded; row (b,) maps a row to its prompt
+    reply_ids  (b, r)  the replies, right-padded; reply_in (b, r - 1) = the tokens fed after the prompt
     """
     P = batch["P"]
     p0 = P - int(batch["prompt_len"][idx].max())
     r1 = max(int(batch["reply_len"][idx].max()), 1)
     groups, row = torch.unique(batch["group"][idx], return_inverse=True)  # (u,), (b,)
     first = idx[[int((batch["group"][idx] == g).nonzero()[0]) for g in groups]]  # (u,): one row per distinct prompt
-    view = {f"prompt_{k}": batch[v][first, p0:P] for k, v in (("ids", "input_ids"), ("attn", "attention_mask"), ("pos", "position_ids"))}
+    view = {
+        f"prompt_{k}": batch[v][first, p0:P]
+        for k, v in (("ids", "input_ids"), ("attn", "attention_mask"), ("pos", "position_ids"))
+    }
     reply_in = batch["reply_ids"][idx, : r1 - 1]  # (b, r - 1): the last reply token is never an input
     reply_pos = batch["prompt_len"][idx, None] + torch.arange(r1 - 1, device=reply_in.device)  # (b, r - 1)
-    view.update(row=row, reply_in=reply_in, reply_pos=reply_pos, reply_mask=batch["reply_mask"][idx, :r1],
-                reply_ids=batch["reply_ids"][idx, :r1], r1=r1, cols=r1, idx=idx)
+    view.update(
+        row=row,
+        reply_in=reply_in,
+        reply_pos=reply_pos,
+        reply_mask=batch["reply_mask"][idx, :r1],
+        reply_ids=batch["reply_ids"][idx, :r1],
+        r1=r1,
+        cols=r1,
+        idx=idx,
+    )
     return view
 
 
@@ -631,14 +710,25 @@ def reply_outputs(model, mb: dict, field: str, **kw) -> torch.Tensor:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    out = model(input_ids=mb["prompt_ids"], attention_mask=mb["prompt_attn"], position_ids=mb["prompt_pos"],
-                past_key_values=cache, use_cache=True, **kw)
+    out = model(
+        input_ids=mb["prompt_ids"],
+        attention_mask=mb["prompt_attn"],
+        position_ids=mb["prompt_pos"],
+        past_key_values=cache,
+        use_cache=True,
+        **kw,
+    )
     parts = [getattr(out, field)[mb["row"], -1:]]  # (b, 1, ...): each row's prompt end predicts reply token 0
     if mb["r1"] > 1:
         cache.batch_select_indices(mb["row"])  # (u, ...) -> (b, ...)
         attn = torch.cat([mb["prompt_attn"][mb["row"]], torch.ones_like(mb["reply_in"])], dim=1)  # (b, p + r - 1)
-        out = model(input_ids=mb["reply_in"], attention_mask=attn, position_ids=mb["reply_pos"], past_key_values=cache,
-                    use_cache=True)
+        out = model(
+            input_ids=mb["reply_in"],
+            attention_mask=attn,
+            position_ids=mb["reply_pos"],
+            past_key_values=cache,
+            use_cache=True,
+        )
         parts.append(getattr(out, field))  # (b, r - 1, ...); right padding is causal-invisible to real tokens
     return torch.cat(parts, dim=1)
 
@@ -674,8 +764,8 @@ def micro_batches(n: int, size: int, generator=None):
 
 
 @torch.no_grad()
-def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, autocast) -> tuple:
-    """(old log-probs, reference log-probs for the KL term, old values), each (N, C) over the batch's loss columns.
+def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, autocast) -> dict:
+    """old_logp, ref_logp (for the KL term) and old_values, each (N, C) over the batch's loss columns.
 
     The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we reuse
     those log-probs; vLLM's kernels and bf16 differ slightly, so there (recompute) we recompute them, as veRL does.
@@ -693,21 +783,25 @@ def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, 
                 ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
             if critic is not None:
                 old_values[idx, :c] = critic(mb).float()
-    return old_logp, ref_logp, old_values
+    return dict(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values)
 
 
-def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp, ref_logp, old_values, advantages,
-               returns, args: Args, generator, autocast) -> tuple[dict, int]:
+def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, args: Args, generator, autocast):
     """--ppo-epochs passes over the rows in shuffled mini-batches (one optimizer step each, gradients accumulated
     over micro-batches): clipped policy loss - entropy bonus (+ KL) (+ the critic's clipped value loss).
+    inputs: mask, advantages, returns (None without a critic), old_logp, ref_logp, old_values, each (N, C).
     Returns (metrics: actor/..., critic/..., skipped updates). An update whose loss or gradient is not finite is
     skipped whole: one NaN would poison the weights and the Adam state."""
+    mask, advantages, returns = inputs["mask"], inputs["advantages"], inputs["returns"]
+    old_logp, ref_logp, old_values = inputs["old_logp"], inputs["ref_logp"], inputs["old_values"]
     policy.train()
     stats: dict[str, list] = {}
     skipped = 0
     for _ in range(args.ppo_epochs):
         for mini in micro_batches(len(mask), args.mini_batch_size, generator):
-            mini = mini[torch.argsort(batch["group"][mini].cpu(), stable=True)]  # a group's rows together: they share a prompt
+            mini = mini[
+                torch.argsort(batch["group"][mini].cpu(), stable=True)
+            ]  # a group's rows together: they share a prompt
             opt.zero_grad(set_to_none=True)
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=True)
@@ -716,11 +810,21 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp
                 mb = micro_view(batch, mini[idx])
                 i, c = mb["idx"], mb["cols"]
                 m = mask[i, :c]  # (b, c)
-                w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # micro-batches add up to the mini-batch loss
+                w = common.micro_batch_weight(
+                    m, mini_mask, args.loss_agg
+                )  # micro-batches add up to the mini-batch loss
                 with autocast:
                     logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
-                pg, pg_stats = policy_loss(logp, old_logp[i, :c], advantages[i, :c], m, args.clip_low, args.clip_high,
-                                           args.dual_clip or None, args.loss_agg)
+                pg, pg_stats = policy_loss(
+                    logp,
+                    old_logp[i, :c],
+                    advantages[i, :c],
+                    m,
+                    args.clip_low,
+                    args.clip_high,
+                    args.dual_clip or None,
+                    args.loss_agg,
+                )
                 ent = agg_loss(entropy, m, args.loss_agg)
                 loss = pg - args.entropy_coef * ent
                 if ref is not None:
@@ -730,7 +834,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp
                 if critic is not None:
                     with autocast:
                         values = critic(mb)  # (b, c)
-                    vf, vf_stats = value_loss(values, old_values[i, :c], returns[i, :c], m, args.value_clip, args.loss_agg)
+                    vf, vf_stats = value_loss(
+                        values, old_values[i, :c], returns[i, :c], m, args.value_clip, args.loss_agg
+                    )
                     loss = loss + vf  # separate parameters and optimizers: one backward serves both
                     pg_stats.update(vf_stats)
                 finite = finite and bool(torch.isfinite(loss))
@@ -753,7 +859,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp
     out["actor/skipped_updates"] = skipped
     if critic is not None:
         ret, val_old = returns[mask.bool()], old_values[mask.bool()]
-        out["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
+        out["critic/vf_explained_var"] = (
+            (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
+        )
     return out, skipped
 
 
@@ -781,11 +889,18 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
                 setattr(args, f.name, saved[f.name])
     if args.device == "cuda" and not torch.cuda.is_available():
         common.fail("--device", "cuda requested but no CUDA device is visible")
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    device = (
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     model = args.model if args.model != "auto" else (QWEN if device == "cuda" else "tiny")
     if model != "tiny" and not common.model_is_reachable(model):
-        common.fail("--model", f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
-                               f"(offline?); use --model tiny for the embedded model")
+        common.fail(
+            "--model",
+            f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
+            f"(offline?); use --model tiny for the embedded model",
+        )
     backend = args.backend
     if backend in ("auto", "vllm"):
         try:
@@ -795,21 +910,30 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
         except Exception:
             has_vllm = False
         if backend == "vllm" and not has_vllm:
-            common.fail("--backend", "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf")
+            common.fail(
+                "--backend",
+                "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf",
+            )
         backend = "vllm" if has_vllm else "hf"
     if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
         args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
         for k, v in {**PRESETS[args.preset], **ALGOS[args.algo]}.items():
             if k not in given:
                 setattr(args, k, v)
-    args.output_dir = args.output_dir or f"runs/{TASK}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.output_dir = (
+        args.output_dir or f"runs/{TASK}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     return device, model, backend
 
 
 def common_checks(args: Args) -> list[tuple[str, bool, str]]:
     """(flag, ok, message) for the flags every script has; each script adds its task's own."""
     return [
-        ("--group-size", args.group_size >= 2 or args.estimator != "grpo", "must be >= 2 with --estimator grpo (a group of one has no baseline)"),
+        (
+            "--group-size",
+            args.group_size >= 2 or args.estimator != "grpo",
+            "must be >= 2 with --estimator grpo (a group of one has no baseline)",
+        ),
         ("--group-size", args.group_size >= 1, "must be >= 1"),
         ("--n-groups", args.n_groups >= 1, "must be >= 1"),
         ("--keep-ratio", 0 < args.keep_ratio <= 1, f"must be in (0, 1], got {args.keep_ratio}"),
@@ -848,8 +972,16 @@ def resolve_args(args: Args):
     args.val_high_arm_name = args.val_high_arm_name or args.high_arm_name
     checks = common_checks(args) + [
         ("--high-arm-prob", 0 <= args.high_arm_prob <= 1, "must be in [0, 1]"),
-        ("--high-arm-name", args.low_arm_name.strip().lower() != args.high_arm_name.strip().lower(), "must differ from --low-arm-name"),
-        ("--val-high-arm-name", args.val_low_arm_name.strip().lower() != args.val_high_arm_name.strip().lower(), "must differ from --val-low-arm-name"),
+        (
+            "--high-arm-name",
+            args.low_arm_name.strip().lower() != args.high_arm_name.strip().lower(),
+            "must differ from --low-arm-name",
+        ),
+        (
+            "--val-high-arm-name",
+            args.val_low_arm_name.strip().lower() != args.val_high_arm_name.strip().lower(),
+            "must differ from --val-low-arm-name",
+        ),
     ]
     for flag, ok, msg in checks:
         if not ok:
@@ -858,7 +990,9 @@ def resolve_args(args: Args):
         select_rubric(args.rubric, args.rubric_weights)
     except ValueError as e:
         common.fail("--rubric-weights", str(e))
-    resume_from = common.prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
+    resume_from = common.prepare_run_dir(
+        Path(args.output_dir), args.resume, args.overwrite
+    )  # last: it may delete files
     return args, device, model, backend, resume_from
 
 
@@ -869,23 +1003,38 @@ def tiny_warmup_examples(pairs: list[tuple[str, str]], n: int = 1000, seed: int 
     with probability 1/2, so the model starts out indifferent between the arms: which one pays is left to RL.
     """
     rng = random.Random(seed)
-    thoughts = ["Let me compare the two names.", "Each name hints at a reward pattern.",
-                "One arm may be steady, the other risky.", "I will pick one arm.",
-                "The names suggest different payouts.", "I think about what each name means.", ""]
+    thoughts = [
+        "Let me compare the two names.",
+        "Each name hints at a reward pattern.",
+        "One arm may be steady, the other risky.",
+        "I will pick one arm.",
+        "The names suggest different payouts.",
+        "I think about what each name means.",
+        "",
+    ]
     examples = []
     for _ in range(n):
         a, b = rng.sample(rng.choice(pairs), 2)
         pick = rng.choice([a, b])
         think = " ".join(rng.sample(thoughts, rng.randint(1, 2))).strip()
         # thinking on its own lines, as Qwen writes it (which is what makes WORKSHOP.md's DOTALL trap bite)
-        examples.append((make_messages(BANDIT_PROMPT.format(a=a, b=b)), f"<think>\n{think}\n</think> <answer> {pick} </answer>"))
+        examples.append(
+            (make_messages(BANDIT_PROMPT.format(a=a, b=b)), f"<think>\n{think}\n</think> <answer> {pick} </answer>")
+        )
     return examples
 
 
 def env_kwargs_of(args: Args, split: str) -> dict:
-    low, high = (args.low_arm_name, args.high_arm_name) if split == "train" else (args.val_low_arm_name, args.val_high_arm_name)
-    return dict(low_name=low, high_name=high, low_reward=args.low_arm_reward, high_reward=args.high_arm_reward,
-                high_prob=args.high_arm_prob)
+    low, high = (
+        (args.low_arm_name, args.high_arm_name) if split == "train" else (args.val_low_arm_name, args.val_high_arm_name)
+    )
+    return dict(
+        low_name=low,
+        high_name=high,
+        low_reward=args.low_arm_reward,
+        high_reward=args.high_arm_reward,
+        high_prob=args.high_arm_prob,
+    )
 
 
 def episode_stats(trajs: list[Trajectory], split: str) -> dict:
@@ -925,8 +1074,15 @@ def filter_stats(group_std: torch.Tensor, kept: torch.Tensor, trained_rows: int)
 
 def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajectory]]:
     seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
-    trajs = rollout(generate, tok, seeds, env_kwargs_of(args, "val"), args.val_temperature,
-                    args.max_model_len - args.max_tokens, rubric)
+    trajs = rollout(
+        generate,
+        tok,
+        seeds,
+        env_kwargs_of(args, "val"),
+        args.val_temperature,
+        args.max_model_len - args.max_tokens,
+        rubric,
+    )
     return episode_stats(trajs, "val"), trajs
 
 
@@ -938,7 +1094,9 @@ def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
         best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
         if best > 0 and recent < 0.1 * best:
             warned.add("std")
-            out.append(f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success")
+            out.append(
+                f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success"
+            )
     norms = [h["actor/grad_norm"] for h in history if math.isfinite(h.get("actor/grad_norm", float("nan")))]
     if len(norms) >= 6:
         med = statistics.median(norms[-11:-1])
@@ -948,12 +1106,16 @@ def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
 
 
 def print_sample(step: int, t: Trajectory) -> None:
-    common.write_line(f"--- step {step} sample (seed {t.seed}): score {t.score:+.3f} " + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items()))
+    common.write_line(
+        f"--- step {step} sample (seed {t.seed}): score {t.score:+.3f} "
+        + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items())
+    )
     common.write_line("    " + t.turn.text[:300].replace("\n", "\n    "))
 
 
 def main(argv=None):
-    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS))
+    args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
+    args, device, model_name, backend, resume_from = resolve_args(args)
     common.seed_everything(args.seed, device)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
@@ -962,26 +1124,33 @@ def main(argv=None):
     transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
     pairs = sorted({(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)})
     model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(pairs))) if model_name == "tiny" else model_name
-    common.write_line(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
-                      f"estimator: {args.estimator}  preset: {args.preset} ("
-                      + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {})) + ")")
+    preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
+    common.write_line(
+        f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
+        f"estimator: {args.estimator}  preset: {args.preset} ({preset})"
+    )
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
     policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path) if backend == "vllm" else None  # before the optimizer state takes GPU memory
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
-    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, trust_remote_code=remote).to(device)
-    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=remote).to(device).eval() if args.kl_coef > 0 else None
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote).to(device)
+    policy = load(policy_path)
+    ref = load(model_path).eval() if args.kl_coef > 0 else None
     critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+    critic_opt = (
+        torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
+    )
+    on_cuda = device == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else torch.autocast("cpu", enabled=False)
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric = select_rubric(args.rubric, args.rubric_weights)
     common.write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
-    run = common.Run(args, TASK, f"starpo_{TASK}.py", resume_from, policy, tok, dict(opt=opt, critic=critic, critic_opt=critic_opt),
-                     [shuffle_gen], dict(task=TASK, model_path=model_path, device=device, backend=backend), echo_trap_warnings)
+    state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
+    config = dict(task=TASK, model_path=model_path, device=device, backend=backend)
+    run = common.Run(args, TASK, resume_from, policy, tok, state, config, echo_trap_warnings)
 
     def generate(prompts, temperature):
         policy.eval()
@@ -999,8 +1168,15 @@ def main(argv=None):
         # ---- rollout: n_groups fresh seeds, each shared by group_size rollouts ------------------------------------
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
         with run.timer("rollout"):
-            trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], env_kwargs_of(args, "train"),
-                            args.temperature, args.max_model_len - args.max_tokens, rubric)
+            trajs = rollout(
+                generate,
+                tok,
+                [s for s in group_seeds for _ in range(n)],
+                env_kwargs_of(args, "train"),
+                args.temperature,
+                args.max_model_len - args.max_tokens,
+                rubric,
+            )
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
 
         # ---- uncertainty filter: train only on the groups whose rewards disagree most ------------------------------
@@ -1010,34 +1186,38 @@ def main(argv=None):
         batch = collate(batch_trajs, tok.pad_token_id, device)
         N, R = batch["reply_mask"].shape
         truncated = torch.tensor([t.truncated for t in batch_trajs], device=device)  # (N,)
-        mask = batch["reply_mask"] * (~truncated if args.mask_truncated else torch.ones_like(truncated))[:, None]  # (N, R)
+        trained = ~truncated if args.mask_truncated else torch.ones_like(truncated)  # (N,)
+        mask = batch["reply_mask"] * trained[:, None]  # (N, R)
 
         # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
         with run.timer("logprob"):
-            old_logp, ref_logp, old_values = old_logprobs(policy, ref, critic, batch, args, llm is not None, autocast)
+            old = old_logprobs(policy, ref, critic, batch, args, llm is not None, autocast)  # (N, R) each
 
         # ---- advantages ------------------------------------------------------------------------------------------
         kept_scores = scores[kept]  # (K, n)
         if args.estimator == "grpo":
             adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1)  # (N,)
-            advantages, returns = adv.to(device)[:, None] * mask, None  # (N, R): one value for every reply token
+            advantages = adv.to(device)[:, None] * mask  # (N, R): one value for every reply token
+            returns = None
         else:
             token_rewards = torch.zeros(N, R, device=device)  # (N, R): the score sits on the last reply token
             last = (batch["reply_len"] - 1).clamp(min=0)  # an empty reply (context overflow) has no token to carry it
             token_rewards[torch.arange(N), last] = kept_scores.view(-1).float().to(device)
-            advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
+            advantages, returns = gae(token_rewards, old["old_values"], mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
 
         # ---- PPO update ------------------------------------------------------------------------------------------
         with run.timer("update"):
-            update_stats, skipped = ppo_update(policy, critic, ref, opt, critic_opt, batch, mask, old_logp, ref_logp,
-                                               old_values, advantages, returns, args, shuffle_gen, autocast)
+            inputs = dict(mask=mask, advantages=advantages, returns=returns, **old)  # (N, R) each
+            stats, skipped = ppo_update(
+                policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
+            )
             if llm is not None:
                 vllm_push_weights(llm, policy)
 
         # ---- log -------------------------------------------------------------------------------------------------
-        record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs),
-                  **filter_stats(group_std, kept, N), **update_stats}
+        record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
+        record.update(filter_stats(group_std, kept, N), **stats)
         if args.sample_every and step % args.sample_every == 0:
             print_sample(step, trajs[0])
         if run.eval_due(step):

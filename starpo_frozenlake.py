@@ -1,57 +1,55 @@
 """StarPO and StarPO-S on RAGEN's slippery FrozenLake, a multi-turn task, in one file.
 
-The agent sees a 4x4 frozen lake as text, thinks inside <think>...</think> and answers one to five moves
-inside <answer>...</answer>, separated by "||" (e.g. "<answer> Down || Right </answer>"). The environment runs
-the moves, shows the new lake, and the agent answers again: at most 5 turns and 10 moves per episode. Reaching
-the goal pays +1; falling into a hole ends the episode. The ice is slippery: a move goes where it was meant to
-only 1/3 of the time, so even a perfect agent fails often. On the evaluation maps the script prints, next to the
-agent's success, what a uniformly random policy and the optimal policy score (exact dynamic programming): that is
-the scale to read val/success on (RAGEN's Qwen2.5-0.5B ends near the random policy).
+Each episode is a 4x4 frozen lake drawn from its seed. Every turn the agent sees the lake as text, thinks inside
+<think>...</think> and answers one to five moves inside <answer>...</answer>, separated by "||" (e.g.
+<answer> Down || Right </answer>); the moves are played, and the reward and the new lake come back in the next user
+message. At most 5 turns and 10 moves per episode. Reaching the goal pays +1; falling into a hole ends the episode.
+The ice is slippery: a move goes where it was meant to only 1/3 of the time, so even a perfect agent fails often.
 
-StarPO (RAGEN, arXiv 2504.20073) treats the whole episode as one token sequence: prompt, reply, observation,
-reply, ... Only the model's own sampled tokens are trained; the observations are context. It updates with PPO
-(critic + GAE) or GRPO. StarPO-S, the default, keeps the 25% of groups whose rewards disagree most, drops the KL
-term, and clips asymmetrically (0.2 / 0.28) with a dual clip of 3 for negative advantages.
+StarPO (RAGEN, arXiv 2504.20073) treats the whole episode as one trajectory: a single growing token sequence
+(prompt, reply, feedback, reply, ...) in which only the model's own sampled tokens are trained, with PPO (critic +
+GAE) or GRPO. StarPO-S, the default, keeps only the 25% of groups whose rewards disagree most (uncertainty
+filtering), drops the KL term, and clips asymmetrically (0.2 / 0.28) with a dual clip of 3 for negative advantages.
 
 Run it:
-    python starpo_frozenlake.py                                     # CPU: embedded tiny model, 20-30 minutes
+    python starpo_frozenlake.py                                     # CPU: embedded tiny model (see bench/)
     python starpo_frozenlake.py --model Qwen/Qwen2.5-0.5B-Instruct  # GPU: vLLM generation, RAGEN's defaults
-    python starpo_frozenlake.py --max-context-turns 2               # show only the last 2 turns (long episodes)
-    python starpo_frozenlake.py --resume --output-dir runs/frozenlake-...   # continue a stopped run
-Outputs go to --output-dir: metrics.jsonl, rollouts.jsonl (every turn's lake, reply and reward), report.html
-(curves with the random and optimal baselines, and a viewer that draws each turn's lake) and checkpoints/.
+    python starpo_frozenlake.py --no-slippery                       # RAGEN-2's FrozenLake: moves always succeed
+    python starpo_frozenlake.py --resume --output-dir runs/...      # continue a stopped run from its last checkpoint
+Outputs in --output-dir: metrics.jsonl (one line per step), rollouts.jsonl (evaluation trajectories, and one
+training trajectory per group every --log-rollouts-every steps, each turn with the environment's own description
+of its state), report.html (curves and a turn-by-turn viewer), config.json and checkpoints/step-N/ (policy/ loads
+with from_pretrained). `--preset tiny` (automatic with the embedded model) and `--preset paper` set the defaults of
+the flags you do not give; `--help` shows both.
+
+The file reads top to bottom on its own. Blocks marked `# Copied from starpo_sokoban.X` (or starpo_bandit.X) are
+kept identical to their source by tools/check_copies.py: edit the source, then run `python tools/check_copies.py
+--fix`. To add an environment, replace the ENVIRONMENT section (the README's recipe) and keep the rest.
+
+Alongside val/success every evaluation logs two reference points for the same maps, by exact dynamic programming
+over (cell, moves left): val/random_success (a uniformly random mover, about 21%) and val/optimal_success (the
+closed-loop optimum, about 46%). The optimum sees the lake after every move; the agent only between turns, up to
+5 moves later, so it is an upper bound (answering two moves a turn loses little: the 10-move budget fits 5 turns).
 
 How it departs from the paper / RAGEN:
   * Maps and slips are pure functions of the reset seed, and a group shares its seed, so its members share the map,
     the start and the stream of slip draws (RAGEN's code seeds the same way): the i-th move of every member either
     goes where it was meant or slips to the same side. The group compares choices, not luck.
   * The grid is printed with a space between cells ("P _ _ O") so that every cell is one token; symbols are RAGEN's.
-  * val/optimal_success is the closed-loop optimum over (cell, moves left): it sees the lake after every move. The
-    agent sees it only between turns, up to 5 moves later, so the optimum is an upper bound on what it can score
-    (answering two moves a turn loses little: the 10-move budget fits in 5 turns).
   * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built and format-warmed on first
-    use (two uniformly random moves a turn: the task itself is left to RL); it uses CPU-sized defaults, printed at
-    start. Paper defaults apply to any other model. Three of them matter beyond size:
-      - GRPO, not PPO with a critic: a tiny critic learns values no faster than the policy learns moves, and it
-        doubles the update's cost (--estimator gae gives RAGEN's choice back).
-      - loss aggregation seq-mean-token-mean, not token-mean. Here failed episodes are long (all 5 turns) and
-        successes short (they stop at the goal). With token-mean the many tokens of long failures outweigh the
-        short successes, so the format tokens every reply shares get a net push down (watch
-        train/action_is_valid with --loss-agg token-mean). Weighing every trajectory the same removes that bias;
-        it does not make a high learning rate safe.
-      - top_p 0.95 for training rollouts. A rare malformed reply inside a lucky (successful) episode gets a large
-        positive update, because low-probability tokens have large gradients; with sparse, noisy rewards such
-        tails spread until the format breaks. The nucleus cuts them while the four moves (each ~1/4) stay sampled.
-    How far the tiny model gets is measured by bench/frozenlake_cpu.py (results in bench/results/): it stays at
-    the random policy's level, and bench/tiny_probe.py shows why (even supervised, it does not learn to read moves
-    off the lake in 300 steps).
+    use (two uniformly random moves a turn: the task itself is left to RL). Its preset trains with GRPO (a tiny
+    critic learns no faster than the policy and doubles the update's cost), seq-mean-token-mean (with token-mean
+    the many tokens of long failed episodes outweigh short successes and push the shared format tokens down) and
+    top_p 0.95 (a rare malformed reply in a lucky episode gets a large update; the nucleus cuts such tails while
+    the four moves stay sampled). bench/frozenlake_cpu.py measures how far it gets; bench/tiny_probe.py shows why
+    it stays near the random policy (even supervised, it does not learn to read moves off the lake in 300 steps).
   * The rubric (env reward + RAGEN's -0.1 format penalty per bad turn) is explicit and logged per component.
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
 in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
 when (a) the mean in-group std over the last 3 steps falls below 10% of its best earlier value (from step 8), or
-(b) the gradient norm exceeds 5x the median of the previous 10 steps. Slippery ice keeps rewards noisy, so (a)
-rarely fires from convergence here: when it fires, suspect a collapse and read the printed samples.
+(b) the gradient norm exceeds 5x the median of the previous 10 steps. Slippery ice keeps rewards noisy, so (a) rarely fires from convergence here: when it
+fires, suspect a collapse and read the printed samples.
 """
 
 from __future__ import annotations
@@ -152,7 +150,9 @@ class Args:
     """cap on the loss of negative-advantage tokens, > 1; 0 turns it off"""
     entropy_coef: float = 0.001
     """entropy bonus weight"""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     """how per-token losses are reduced"""
     norm_adv_by_std: bool = True
     """grpo: divide by the group std (off = Dr. GRPO)"""
@@ -202,15 +202,22 @@ class Args:
     """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
 
 
-
-
 # --preset: the defaults of every flag you do not give. The paper's are the field defaults above. The tiny model
 # learns from scratch-sized steps: far larger learning rates, short replies, fewer evaluations; GRPO because a tiny
 # critic learns values no faster than the policy learns moves, and doubles the update's cost.
 PRESETS = {
     "paper": {},
-    "tiny": dict(max_tokens=24, top_p=0.95, estimator="grpo", loss_agg="seq-mean-token-mean", group_size=8, steps=80,
-                 lr=2e-4, critic_lr=1e-3, eval_every=20),
+    "tiny": dict(
+        max_tokens=24,
+        top_p=0.95,
+        estimator="grpo",
+        loss_agg="seq-mean-token-mean",
+        group_size=8,
+        steps=80,
+        lr=2e-4,
+        critic_lr=1e-3,
+        eval_every=20,
+    ),
 }
 # --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
 # Copied from starpo_bandit.ALGOS
@@ -222,6 +229,7 @@ ALGOS = {
 # the format now spans several turns; small batches keep the build short.
 TINY_BUILD = dict(sft_steps=100, sft_batch_size=16)
 TINY_WARMUP_MOVES = 2  # moves in every warm-up answer (see tiny_warmup_examples)
+TINY_WARMUP_SEEDS = (3 * 10**9, 600)  # warm-up episodes: first seed, how many (never trained or evaluated on)
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 TASK = "frozenlake"
 
@@ -241,7 +249,10 @@ def generate_map(seed: int, size: int = 4, p: float = 0.8) -> list[str]:
     while True:
         board = rng.choice(["F", "H"], (size, size), p=[p, 1 - p])  # (size, size) array of one-letter strings
         while True:
-            start, goal = (int(rng.integers(0, size)), int(rng.integers(0, size))), (int(rng.integers(0, size)), int(rng.integers(0, size)))
+            start, goal = (
+                (int(rng.integers(0, size)), int(rng.integers(0, size))),
+                (int(rng.integers(0, size)), int(rng.integers(0, size))),
+            )
             if start != goal:
                 break
         board[start], board[goal] = "S", "G"
@@ -270,7 +281,9 @@ def has_path(desc: list[str]) -> bool:
     return False
 
 
-def transitions(desc: list[str], pos: tuple[int, int], action: int, slippery: bool = True) -> list[tuple[float, tuple[int, int]]]:
+def transitions(
+    desc: list[str], pos: tuple[int, int], action: int, slippery: bool = True
+) -> list[tuple[float, tuple[int, int]]]:
     """[(probability, next cell)] for one action: gymnasium's slippery rule. Bumping into the border = staying."""
     n = len(desc)
 
@@ -321,8 +334,12 @@ class FrozenLakeEnv:
 
     def describe(self) -> dict:
         """The lake as data, for the report's viewer and for rubrics: grid cells, legend, (row, column) positions."""
-        return dict(grid=[row.split(" ") for row in self.render().splitlines()], legend=LEGEND, player=list(self.pos),
-                    goal=list(find(self.desc, "G")))
+        return dict(
+            grid=[row.split(" ") for row in self.render().splitlines()],
+            legend=LEGEND,
+            player=list(self.pos),
+            goal=list(find(self.desc, "G")),
+        )
 
     def cell(self) -> str:
         return self.desc[self.pos[0]][self.pos[1]]
@@ -360,8 +377,12 @@ def success_dp(desc: list[str], budget: int, slippery: bool = True) -> tuple[flo
         return 1.0 if letter == "G" else 0.0 if letter == "H" else values[s]
 
     for _ in range(budget):
-        q_rand = {s: [sum(p * worth(rand, t) for p, t in transitions(desc, s, a, slippery)) for a in range(4)] for s in cells}
-        q_best = {s: [sum(p * worth(best, t) for p, t in transitions(desc, s, a, slippery)) for a in range(4)] for s in cells}
+        q_rand = {
+            s: [sum(p * worth(rand, t) for p, t in transitions(desc, s, a, slippery)) for a in range(4)] for s in cells
+        }
+        q_best = {
+            s: [sum(p * worth(best, t) for p, t in transitions(desc, s, a, slippery)) for a in range(4)] for s in cells
+        }
         rand = {s: sum(q_rand[s]) / 4 for s in cells}
         best = {s: max(q_best[s]) for s in cells}
     start = find(desc, "S")
@@ -379,7 +400,10 @@ def baselines(args: Args) -> dict:
     for seed in [10**9 + i for i in range(args.val_size)]:  # the evaluation set (see evaluate)
         env.reset(seed)
         pairs.append(success_dp(env.desc, budget, args.slippery))
-    return {"val/random_success": statistics.mean(p[0] for p in pairs), "val/optimal_success": statistics.mean(p[1] for p in pairs)}
+    return {
+        "val/random_success": statistics.mean(p[0] for p in pairs),
+        "val/optimal_success": statistics.mean(p[1] for p in pairs),
+    }
 
 
 ########################################################################################################################
@@ -431,11 +455,7 @@ def format_reward(t: Turn) -> float:
 
 
 # (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
-RUBRIC = [
-    (env_reward, 1.0),
-    (format_penalty, 0.1),
-    (format_reward, 0.0),
-]
+RUBRIC = [(env_reward, 1.0), (format_penalty, 0.1), (format_reward, 0.0)]
 
 
 # Copied from starpo_bandit.weighted_rubric
@@ -445,8 +465,10 @@ def weighted_rubric(rubric: list, weights: str = "") -> list:
     names = [fn.__name__ for fn, _ in rubric]
     bad = sorted({n for n in names if names.count(n) > 1 or not n.isidentifier()})
     if bad:
-        raise ValueError(f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
-                         f"fix: {', '.join(bad)}")
+        raise ValueError(
+            f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
+            f"fix: {', '.join(bad)}"
+        )
     rubric = list(rubric)
     for item in filter(None, (x.strip() for x in weights.split(","))):
         key, eq, value = item.partition("=")
@@ -488,8 +510,10 @@ def state_message(turn: int, obs: str, actions_left: int) -> str:
 def first_messages(obs: str, args: Args) -> list[dict]:
     """System + turn 1: the rules, legend, legal moves, budget and separator, then the first lake."""
     rules = RULES.format(per_turn=args.max_actions_per_turn, per_traj=args.max_actions_per_traj)
-    return [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": rules + "\n" + state_message(1, obs, args.max_actions_per_traj)}]
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": rules + "\n" + state_message(1, obs, args.max_actions_per_traj)},
+    ]
 
 
 def feedback_message(reward: float, turn: int, obs: str, actions_left: int) -> str:
@@ -536,7 +560,9 @@ def parse_actions(answer: Optional[str], max_actions: int) -> tuple[list[str], b
 # Copied from starpo_bandit.stop_token_ids
 def stop_token_ids(tok) -> list[int]:
     """Token ids that end a reply: Qwen's <|im_end|> and <|endoftext|>, plus the tokenizer's eos."""
-    ids = {tok.eos_token_id} | {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()}
+    ids = {tok.eos_token_id} | {
+        tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()
+    }
     return sorted(i for i in ids if i is not None)
 
 
@@ -576,7 +602,9 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         distinct = list(dict.fromkeys(tuple(p) for p in chunk))
-        row = torch.tensor([distinct.index(tuple(p)) for p in chunk], device=device)  # (b,): chunk row -> distinct prompt
+        row = torch.tensor(
+            [distinct.index(tuple(p)) for p in chunk], device=device
+        )  # (b,): chunk row -> distinct prompt
         width = max(len(p) for p in distinct)
         input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
         attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
@@ -585,8 +613,14 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
             attn[j, width - len(p) :] = 1
         positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P): left padding must not shift positions
         cache = common.append_in_place_cache()
-        out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
         logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, P), (b, 1)
         tokens, logps = [], []
@@ -602,7 +636,9 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, P + t)
             pos = pos + 1
-            out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
+            )
             logits = out.logits[:, -1]  # (b, V)
         new, new_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (b, R)
         results += [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
@@ -621,18 +657,33 @@ def vllm_engine(args: Args, model_path: str):
 # Copied from starpo_bandit.vllm_engine_kwargs
 def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
     """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
-    return dict(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.max_model_len,
-                enable_prefix_caching=True, trust_remote_code=args.trust_remote_code,
-                logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
-                generation_config="vllm")  # ignore the checkpoint's sampling defaults and extra eos ids
+    return dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype="bfloat16",
+        seed=args.seed,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=True,
+        trust_remote_code=args.trust_remote_code,
+        logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
+        generation_config="vllm",
+    )  # ignore the checkpoint's sampling defaults and extra eos ids
 
 
 # Copied from starpo_bandit.vllm_sampling_kwargs
 def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stops: list[int]) -> dict:
     """Keyword arguments for vllm.SamplingParams: same semantics as hf_generate (no top-k, no penalties)."""
-    return dict(n=1, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, stop_token_ids=stops,
-                logprobs=0, skip_special_tokens=False)
+    return dict(
+        n=1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        max_tokens=max_tokens,
+        stop_token_ids=stops,
+        logprobs=0,
+        skip_special_tokens=False,
+    )
 
 
 # Copied from starpo_bandit.vllm_generate
@@ -702,12 +753,32 @@ class Trajectory:
 def rollout_record(t: Trajectory, step: int, split: str) -> dict:
     """One line of rollouts.jsonl: the trajectory turn by turn, with the environment's own view of every state
     (env.describe()), so the report draws it without knowing the task. score = rubric total, env_reward = payout."""
-    turns = [dict(state=turn.state, view=turn.before, text=turn.text, think=turn.think, answer=turn.answer,
-                  actions=turn.actions, env_reward=turn.env_reward, score=turn.reward, rubric=turn.parts)
-             for turn in t.turns]
+    turns = [
+        dict(
+            state=turn.state,
+            view=turn.before,
+            text=turn.text,
+            think=turn.think,
+            answer=turn.answer,
+            actions=turn.actions,
+            env_reward=turn.env_reward,
+            score=turn.reward,
+            rubric=turn.parts,
+        )
+        for turn in t.turns
+    ]
     final = t.turns[-1].after if t.turns else None  # the world after the last move: a solved room, a goal reached
-    return dict(step=step, split=split, task=TASK, seed=t.seed, success=bool(t.success), score=t.score,
-                env_reward=sum(turn.env_reward for turn in t.turns), turns=turns, final_view=final)
+    return dict(
+        step=step,
+        split=split,
+        task=TASK,
+        seed=t.seed,
+        success=bool(t.success),
+        score=t.score,
+        env_reward=sum(turn.env_reward for turn in t.turns),
+        turns=turns,
+        final_view=final,
+    )
 
 
 # Copied from starpo_sokoban.context_ids
@@ -771,8 +842,19 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
             t.turn_last_index.append(len(t.ids) - 1)  # (an empty reply: the untrained token before it)
             if not r_ids or r_ids[-1] != im_end:
                 t.ids, t.mask, t.gen_logprobs = t.ids + [im_end], t.mask + [0], t.gen_logprobs + [0.0]
-            turn = Turn(state, text, think, answer, played, had_invalid, reward, infos, before, env.describe(),
-                        truncated=bool(r_ids) and r_ids[-1] not in stops)
+            turn = Turn(
+                state,
+                text,
+                think,
+                answer,
+                played,
+                had_invalid,
+                reward,
+                infos,
+                before,
+                env.describe(),
+                truncated=bool(r_ids) and r_ids[-1] not in stops,
+            )
             turn.reward, turn.parts = score_turn(turn, rubric)
             t.turns.append(turn)
             t.success = infos[-1]["success"] if infos else t.success
@@ -781,7 +863,9 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
                 continue  # episode over: no observation after the final turn
             # ---- the feedback: last turn's reward, the new state, the moves left ----
             feedback = feedback_message(turn.reward, turn_no + 1, obs[i], left)
-            obs_ids = tok("\n<|im_start|>user\n" + feedback + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+            obs_ids = tok(
+                "\n<|im_start|>user\n" + feedback + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+            )["input_ids"]
             next_len = len(context_ids(t, args.max_context_turns)[0]) + len(obs_ids)  # the next turn's prompt
             if next_len + args.max_tokens > args.max_model_len:
                 t.context_overflow = True  # the next turn could not fit: the episode ends here
@@ -817,14 +901,27 @@ def training_rows(trajs: list[Trajectory], k: Optional[int]) -> list[Row]:
     rows = []
     for n, t in enumerate(trajs):
         if k is None or not t.turns:  # (no turns: the first prompt overflowed; a row with nothing to train)
-            rows.append(Row(n, t.ids, t.mask, t.gen_logprobs, list(t.turn_last_index), list(range(len(t.turns))), t.first_len))
+            rows.append(
+                Row(n, t.ids, t.mask, t.gen_logprobs, list(t.turn_last_index), list(range(len(t.turns))), t.first_len)
+            )
             continue
         for j in range(len(t.turns)):
             start, end = t.turn_start[j], t.turn_last_index[j] + 1  # this turn's sampled reply
-            prefix = list(range(t.first_len)) + list(range(t.turn_prompt_start[j], start))  # the context it was sampled in
+            prefix = list(range(t.first_len)) + list(
+                range(t.turn_prompt_start[j], start)
+            )  # the context it was sampled in
             idx = prefix + list(range(start, end))
-            rows.append(Row(n, [t.ids[i] for i in idx], [0] * len(prefix) + t.mask[start:end],
-                            [0.0] * len(prefix) + t.gen_logprobs[start:end], [len(idx) - 1], [j], t.first_len))
+            rows.append(
+                Row(
+                    n,
+                    [t.ids[i] for i in idx],
+                    [0] * len(prefix) + t.mask[start:end],
+                    [0.0] * len(prefix) + t.gen_logprobs[start:end],
+                    [len(idx) - 1],
+                    [j],
+                    t.first_len,
+                )
+            )
     return rows
 
 
@@ -852,10 +949,10 @@ def place_rewards(rows: list[Row], trajs: list[Trajectory], width: int, turn_rew
 def collate(rows: list[Row], pad_id: int, device) -> dict:
     """Rows right-padded to T. Column t of the (B, T - 1) loss tensors scores ids[t + 1] given ids[: t + 1]:
 
-        input_ids (B, T):      [p p p r r o o r r pad]
-        loss_mask (B, T - 1):    [0 0 1 1 0 0 1 1 0  ]   = mask[1:]: 1 = sampled by the model
-        group     (B,):        rows with the same first prompt share a number (a group), so an update's
-                               mini-batch keeps a group together
+    input_ids (B, T):      [p p p r r o o r r pad]
+    loss_mask (B, T - 1):    [0 0 1 1 0 0 1 1 0  ]   = mask[1:]: 1 = sampled by the model
+    group     (B,):        rows with the same first prompt share a number (a group), so an update's
+                           mini-batch keeps a group together
     """
     T = max(len(r.ids) for r in rows)
     B = len(rows)
@@ -870,8 +967,15 @@ def collate(rows: list[Row], pad_id: int, device) -> dict:
         gen_logprobs[i, : len(r.ids)] = torch.tensor(r.gen_logprobs)
     distinct = list(dict.fromkeys(tuple(r.ids[: r.first_len]) for r in rows))
     group = torch.tensor([distinct.index(tuple(r.ids[: r.first_len])) for r in rows])
-    batch = dict(input_ids=input_ids, attention_mask=attn, targets=input_ids[:, 1:], loss_mask=mask[:, 1:],
-                 gen_logprobs=gen_logprobs[:, 1:], length=attn.sum(-1), group=group)
+    batch = dict(
+        input_ids=input_ids,
+        attention_mask=attn,
+        targets=input_ids[:, 1:],
+        loss_mask=mask[:, 1:],
+        gen_logprobs=gen_logprobs[:, 1:],
+        length=attn.sum(-1),
+        group=group,
+    )
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -932,8 +1036,8 @@ def micro_batches(n: int, size: int, generator=None):
 
 # Copied from starpo_bandit.old_logprobs
 @torch.no_grad()
-def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, autocast) -> tuple:
-    """(old log-probs, reference log-probs for the KL term, old values), each (N, C) over the batch's loss columns.
+def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, autocast) -> dict:
+    """old_logp, ref_logp (for the KL term) and old_values, each (N, C) over the batch's loss columns.
 
     The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we reuse
     those log-probs; vLLM's kernels and bf16 differ slightly, so there (recompute) we recompute them, as veRL does.
@@ -951,22 +1055,26 @@ def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, 
                 ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
             if critic is not None:
                 old_values[idx, :c] = critic(mb).float()
-    return old_logp, ref_logp, old_values
+    return dict(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values)
 
 
 # Copied from starpo_bandit.ppo_update
-def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp, ref_logp, old_values, advantages,
-               returns, args: Args, generator, autocast) -> tuple[dict, int]:
+def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, args: Args, generator, autocast):
     """--ppo-epochs passes over the rows in shuffled mini-batches (one optimizer step each, gradients accumulated
     over micro-batches): clipped policy loss - entropy bonus (+ KL) (+ the critic's clipped value loss).
+    inputs: mask, advantages, returns (None without a critic), old_logp, ref_logp, old_values, each (N, C).
     Returns (metrics: actor/..., critic/..., skipped updates). An update whose loss or gradient is not finite is
     skipped whole: one NaN would poison the weights and the Adam state."""
+    mask, advantages, returns = inputs["mask"], inputs["advantages"], inputs["returns"]
+    old_logp, ref_logp, old_values = inputs["old_logp"], inputs["ref_logp"], inputs["old_values"]
     policy.train()
     stats: dict[str, list] = {}
     skipped = 0
     for _ in range(args.ppo_epochs):
         for mini in micro_batches(len(mask), args.mini_batch_size, generator):
-            mini = mini[torch.argsort(batch["group"][mini].cpu(), stable=True)]  # a group's rows together: they share a prompt
+            mini = mini[
+                torch.argsort(batch["group"][mini].cpu(), stable=True)
+            ]  # a group's rows together: they share a prompt
             opt.zero_grad(set_to_none=True)
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=True)
@@ -975,11 +1083,21 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp
                 mb = micro_view(batch, mini[idx])
                 i, c = mb["idx"], mb["cols"]
                 m = mask[i, :c]  # (b, c)
-                w = common.micro_batch_weight(m, mini_mask, args.loss_agg)  # micro-batches add up to the mini-batch loss
+                w = common.micro_batch_weight(
+                    m, mini_mask, args.loss_agg
+                )  # micro-batches add up to the mini-batch loss
                 with autocast:
                     logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
-                pg, pg_stats = policy_loss(logp, old_logp[i, :c], advantages[i, :c], m, args.clip_low, args.clip_high,
-                                           args.dual_clip or None, args.loss_agg)
+                pg, pg_stats = policy_loss(
+                    logp,
+                    old_logp[i, :c],
+                    advantages[i, :c],
+                    m,
+                    args.clip_low,
+                    args.clip_high,
+                    args.dual_clip or None,
+                    args.loss_agg,
+                )
                 ent = agg_loss(entropy, m, args.loss_agg)
                 loss = pg - args.entropy_coef * ent
                 if ref is not None:
@@ -989,7 +1107,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp
                 if critic is not None:
                     with autocast:
                         values = critic(mb)  # (b, c)
-                    vf, vf_stats = value_loss(values, old_values[i, :c], returns[i, :c], m, args.value_clip, args.loss_agg)
+                    vf, vf_stats = value_loss(
+                        values, old_values[i, :c], returns[i, :c], m, args.value_clip, args.loss_agg
+                    )
                     loss = loss + vf  # separate parameters and optimizers: one backward serves both
                     pg_stats.update(vf_stats)
                 finite = finite and bool(torch.isfinite(loss))
@@ -1012,7 +1132,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, mask, old_logp
     out["actor/skipped_updates"] = skipped
     if critic is not None:
         ret, val_old = returns[mask.bool()], old_values[mask.bool()]
-        out["critic/vf_explained_var"] = (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
+        out["critic/vf_explained_var"] = (
+            (1 - (ret - val_old).var() / (ret.var() + 1e-8)).item() if ret.numel() > 1 else 0.0
+        )
     return out, skipped
 
 
@@ -1041,11 +1163,18 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
                 setattr(args, f.name, saved[f.name])
     if args.device == "cuda" and not torch.cuda.is_available():
         common.fail("--device", "cuda requested but no CUDA device is visible")
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    device = (
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     model = args.model if args.model != "auto" else (QWEN if device == "cuda" else "tiny")
     if model != "tiny" and not common.model_is_reachable(model):
-        common.fail("--model", f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
-                               f"(offline?); use --model tiny for the embedded model")
+        common.fail(
+            "--model",
+            f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
+            f"(offline?); use --model tiny for the embedded model",
+        )
     backend = args.backend
     if backend in ("auto", "vllm"):
         try:
@@ -1055,14 +1184,19 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
         except Exception:
             has_vllm = False
         if backend == "vllm" and not has_vllm:
-            common.fail("--backend", "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf")
+            common.fail(
+                "--backend",
+                "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf",
+            )
         backend = "vllm" if has_vllm else "hf"
     if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
         args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
         for k, v in {**PRESETS[args.preset], **ALGOS[args.algo]}.items():
             if k not in given:
                 setattr(args, k, v)
-    args.output_dir = args.output_dir or f"runs/{TASK}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.output_dir = (
+        args.output_dir or f"runs/{TASK}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     return device, model, backend
 
 
@@ -1070,7 +1204,11 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
 def common_checks(args: Args) -> list[tuple[str, bool, str]]:
     """(flag, ok, message) for the flags every script has; each script adds its task's own."""
     return [
-        ("--group-size", args.group_size >= 2 or args.estimator != "grpo", "must be >= 2 with --estimator grpo (a group of one has no baseline)"),
+        (
+            "--group-size",
+            args.group_size >= 2 or args.estimator != "grpo",
+            "must be >= 2 with --estimator grpo (a group of one has no baseline)",
+        ),
         ("--group-size", args.group_size >= 1, "must be >= 1"),
         ("--n-groups", args.n_groups >= 1, "must be >= 1"),
         ("--keep-ratio", 0 < args.keep_ratio <= 1, f"must be in (0, 1], got {args.keep_ratio}"),
@@ -1111,7 +1249,11 @@ def resolve_args(args: Args):
         ("--max-turns", args.max_turns >= 1, "must be >= 1"),
         ("--max-actions-per-turn", args.max_actions_per_turn >= 1, "must be >= 1"),
         ("--max-actions-per-traj", args.max_actions_per_traj >= 1, "must be >= 1"),
-        ("--max-context-turns", args.max_context_turns is None or args.max_context_turns >= 1, "must be >= 1 (the last turn holds the current state)"),
+        (
+            "--max-context-turns",
+            args.max_context_turns is None or args.max_context_turns >= 1,
+            "must be >= 1 (the last turn holds the current state)",
+        ),
     ]
     for flag, ok, msg in checks:
         if not ok:
@@ -1120,48 +1262,61 @@ def resolve_args(args: Args):
         weighted_rubric(RUBRIC, args.rubric_weights)
     except ValueError as e:
         common.fail("--rubric-weights", str(e))
-    resume_from = common.prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
+    resume_from = common.prepare_run_dir(
+        Path(args.output_dir), args.resume, args.overwrite
+    )  # last: it may delete files
     return args, device, model, backend, resume_from
 
 
-def tiny_warmup_examples(args: Args, n: int = 600, seed: int = 0) -> list[tuple[list[dict], str]]:
+def warmup_reply(rng: random.Random, per_turn: int, left: int) -> tuple[list[str], str]:
+    """One warm-up turn: TINY_WARMUP_MOVES uniformly random moves (no more than are left), and a short thought.
+
+    Two moves a turn (not 1 to 5) keeps replies short, uses the whole 10-move budget in 5 turns, and leaves room
+    to react to slips: the best agent that answers two moves a turn scores almost what the closed-loop optimum does.
+    """
+    moves = [rng.choice(ACTIONS) for _ in range(min(TINY_WARMUP_MOVES, per_turn, left))]
+    return moves, rng.choice(["I move.", "Next move.", "Let me move."])  # a few words: long ones only cost time here
+
+
+# Copied from starpo_sokoban.tiny_warmup_examples
+def tiny_warmup_examples(args: Args, seed: int = 0) -> list[tuple[list[dict], str]]:
     """Format-correct transcripts with uniformly random valid moves: the tiny model learns the format only.
 
-    Real episodes on maps from seeds no run trains or evaluates on, played with TINY_WARMUP_MOVES uniformly random
-    moves a turn; every turn gives one (chat messages so far, reply) pair, built exactly like the rollout builds
-    them. Nothing here looks at the goal or the holes, so which move is good is left to RL. Two moves a turn (not
-    1 to 5) keeps replies short, uses the whole 10-move budget in 5 turns, and leaves room to react to slips:
-    the best agent that answers two moves a turn scores almost what the closed-loop optimum does.
+    Real episodes on seeds no run trains or evaluates on (TINY_WARMUP_SEEDS: first seed, episodes), each turn's
+    moves drawn by warmup_reply, uniformly at random whatever the state; every turn gives one (chat messages so
+    far, reply) pair, built from exactly the messages the rollout produces. Nothing here looks at the goal, so
+    which move is good is left to RL.
     """
     # Always the default episode budget, whatever this run's flags: one cached tiny model then serves every budget
     # (e.g. WORKSHOP.md's --max-actions-per-turn 1); it learns the format, and RL adapts it to the rules it is shown.
     d = Args()
-    args = replace(args, max_turns=d.max_turns, max_actions_per_turn=d.max_actions_per_turn,
-                   max_actions_per_traj=d.max_actions_per_traj)
+    args = replace(
+        args,
+        max_turns=d.max_turns,
+        max_actions_per_turn=d.max_actions_per_turn,
+        max_actions_per_traj=d.max_actions_per_traj,
+    )
     rng = random.Random(seed)
-    thoughts = ["I move.", "Next move.", "Let me move."]  # a few words: long thoughts would only cost time here
-    budget = args.max_actions_per_traj
+    first_seed, episodes = TINY_WARMUP_SEEDS
     examples = []
-    for e in range(n):
+    for e in range(episodes):
         env = make_env(args)
-        messages = first_messages(env.reset(3 * 10**9 + e), args)
-        left = budget
-        for j in range(args.max_turns):
-            k = min(TINY_WARMUP_MOVES, args.max_actions_per_turn, left)
-            moves = [rng.choice(ACTIONS) for _ in range(k)]
-            reply = f"<think> {rng.choice(thoughts)} </think> <answer> {' || '.join(moves)} </answer>"
+        messages = first_messages(env.reset(first_seed + e), args)
+        left = args.max_actions_per_traj
+        for turn_no in range(1, args.max_turns + 1):
+            moves, thought = warmup_reply(rng, args.max_actions_per_turn, left)
+            reply = f"<think> {thought} </think> <answer> {' || '.join(moves)} </answer>"
             examples.append((list(messages), reply))
             reward, done = 0.0, False
-            for a in moves:
-                _, r, done, _ = env.step(a)
-                reward += r
+            for m in moves:
+                obs, r, done, _ = env.step(m)
+                reward, left = reward + r, left - 1
                 if done:
                     break
-            left -= k
-            if done or left <= 0 or j + 1 == args.max_turns:
+            if done or left <= 0:
                 break
-            messages += [{"role": "assistant", "content": reply},
-                         {"role": "user", "content": feedback_message(reward, j + 2, env.render(), left)}]
+            feedback = feedback_message(reward, turn_no + 1, obs, left)
+            messages = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
     return examples
 
 
@@ -1176,8 +1331,12 @@ def episode_stats(trajs: list[Trajectory], split: str) -> dict:
         f"{split}/reward": statistics.mean(scores),
         f"{split}/reward_min": min(scores),
         f"{split}/reward_max": max(scores),
-        f"{split}/action_is_valid": statistics.mean(not turn.had_invalid for turn in turns) if turns else 0.0,  # per turn
-        f"{split}/action_is_effective": statistics.mean(i["action_is_effective"] for i in played) if played else 0.0,  # per move
+        f"{split}/action_is_valid": statistics.mean(not turn.had_invalid for turn in turns)
+        if turns
+        else 0.0,  # per turn
+        f"{split}/action_is_effective": statistics.mean(i["action_is_effective"] for i in played)
+        if played
+        else 0.0,  # per move
         f"{split}/num_actions": statistics.mean(t.num_actions for t in trajs),
         f"{split}/num_turns": statistics.mean(len(t.turns) for t in trajs),
         f"{split}/context_overflow": sum(t.context_overflow for t in trajs),
@@ -1226,7 +1385,9 @@ def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
         best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
         if best > 0 and recent < 0.1 * best:
             warned.add("std")
-            out.append(f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success")
+            out.append(
+                f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success"
+            )
     norms = [h["actor/grad_norm"] for h in history if math.isfinite(h.get("actor/grad_norm", float("nan")))]
     if len(norms) >= 6:
         med = statistics.median(norms[-11:-1])
@@ -1237,8 +1398,10 @@ def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
 
 # Copied from starpo_sokoban.print_sample
 def print_sample(step: int, t: Trajectory) -> None:
-    common.write_line(f"--- step {step} sample (seed {t.seed}): score {t.score:+.2f} success {t.success} "
-                      + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items()))
+    common.write_line(
+        f"--- step {step} sample (seed {t.seed}): score {t.score:+.2f} success {t.success} "
+        + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items())
+    )
     for j, turn in enumerate(t.turns, 1):
         common.write_line(f"  turn {j}: " + turn.state.replace("\n", " / "))
         common.write_line(f"    reply {turn.text[:200]!r} -> played {turn.actions} reward {turn.reward:+.2f}")
@@ -1246,34 +1409,44 @@ def print_sample(step: int, t: Trajectory) -> None:
 
 # Copied from starpo_sokoban.main
 def main(argv=None):
-    args, device, model_name, backend, resume_from = resolve_args(common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS))
+    args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
+    args, device, model_name, backend, resume_from = resolve_args(args)
     common.seed_everything(args.seed, device)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
-    model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD)) if model_name == "tiny" else model_name
-    common.write_line(f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
-                      f"estimator: {args.estimator}  preset: {args.preset} ("
-                      + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {})) + ")")
+    model_path = model_name
+    if model_name == "tiny":
+        model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD))
+    preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
+    common.write_line(
+        f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
+        f"estimator: {args.estimator}  preset: {args.preset} ({preset})"
+    )
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
     policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path) if backend == "vllm" else None  # before the optimizer state takes GPU memory
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
-    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, trust_remote_code=remote).to(device)
-    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=remote).to(device).eval() if args.kl_coef > 0 else None
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote).to(device)
+    policy = load(policy_path)
+    ref = load(model_path).eval() if args.kl_coef > 0 else None
     critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+    critic_opt = (
+        torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
+    )
+    on_cuda = device == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else torch.autocast("cpu", enabled=False)
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric = weighted_rubric(RUBRIC, args.rubric_weights)
     common.write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
-    run = common.Run(args, TASK, f"starpo_{TASK}.py", resume_from, policy, tok, dict(opt=opt, critic=critic, critic_opt=critic_opt),
-                     [shuffle_gen], dict(task=TASK, model_path=model_path, device=device, backend=backend), echo_trap_warnings)
+    state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
+    config = dict(task=TASK, model_path=model_path, device=device, backend=backend)
+    run = common.Run(args, TASK, resume_from, policy, tok, state, config, echo_trap_warnings)
 
     def generate(prompts, temperature):
         policy.eval()
@@ -1303,34 +1476,38 @@ def main(argv=None):
         rows = training_rows(kept_trajs, args.max_context_turns)  # one per trajectory, or one per turn
         batch = collate(rows, tok.pad_token_id, device)
         truncated = torch.tensor([kept_trajs[r.traj].truncated for r in rows], device=device)  # (N,)
-        mask = batch["loss_mask"] * (~truncated if args.mask_truncated else torch.ones_like(truncated))[:, None]  # (N, T - 1)
+        trained = ~truncated if args.mask_truncated else torch.ones_like(truncated)  # (N,)
+        mask = batch["loss_mask"] * trained[:, None]  # (N, T - 1)
 
         # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
         with run.timer("logprob"):
-            old_logp, ref_logp, old_values = old_logprobs(policy, ref, critic, batch, args, llm is not None, autocast)
+            old = old_logprobs(policy, ref, critic, batch, args, llm is not None, autocast)  # (N, T - 1) each
 
         # ---- advantages ------------------------------------------------------------------------------------------
         if args.estimator == "grpo":
             adv = group_advantages(scores[kept], norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
             row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
-            advantages, returns = adv[row_traj][:, None] * mask, None  # (N, T - 1): the trajectory's value on its tokens
+            advantages = adv[row_traj][:, None] * mask  # (N, T - 1): the trajectory's value on its sampled tokens
+            returns = None
         else:
             # Each turn's reward sits on its last sampled token; the observation tokens between turns are masked,
             # so gae carries the advantage across them and the turns chain into one sequence.
             token_rewards = place_rewards(rows, kept_trajs, mask.shape[1], args.turn_rewards).to(device)  # (N, T - 1)
-            advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
+            advantages, returns = gae(token_rewards, old["old_values"], mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
 
         # ---- PPO update ------------------------------------------------------------------------------------------
         with run.timer("update"):
-            update_stats, skipped = ppo_update(policy, critic, ref, opt, critic_opt, batch, mask, old_logp, ref_logp,
-                                               old_values, advantages, returns, args, shuffle_gen, autocast)
+            inputs = dict(mask=mask, advantages=advantages, returns=returns, **old)  # (N, T - 1) each
+            stats, skipped = ppo_update(
+                policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
+            )
             if llm is not None:
                 vllm_push_weights(llm, policy)
 
         # ---- log -------------------------------------------------------------------------------------------------
-        record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs),
-                  **filter_stats(group_std, kept, len(rows)), **update_stats}
+        record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
+        record.update(filter_stats(group_std, kept, len(rows)), **stats)
         if args.sample_every and step % args.sample_every == 0:
             print_sample(step, trajs[0])
         if run.eval_due(step):

@@ -29,7 +29,15 @@ def run_script(script: str, flags: list[str], warm_cache: bool) -> dict:
         if not warm_cache:
             env["STARPO_CACHE"] = str(Path(tmp) / "cache")
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, script, "--sample-every", "0", *flags, "--output-dir", str(run_dir)]  # flags may override
+        cmd = [
+            sys.executable,
+            script,
+            "--sample-every",
+            "0",
+            *flags,
+            "--output-dir",
+            str(run_dir),
+        ]  # flags may override
         load_start = os.getloadavg()
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -42,10 +50,14 @@ def run_script(script: str, flags: list[str], warm_cache: bool) -> dict:
 
 
 def machine(load_start) -> dict:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "load_avg_at_start": [round(x, 2) for x in load_start],
-            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_avg_at_start": [round(x, 2) for x in load_start],
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def write_result(out: str, result: dict) -> None:
@@ -55,21 +67,38 @@ def write_result(out: str, result: dict) -> None:
     print(f"written to {out}")
 
 
-CONFIG_KEYS = ("model", "preset", "algo", "estimator", "n_groups", "group_size", "keep_ratio", "lr", "max_tokens",
-               "steps", "val_size", "eval_every", "max_context_turns", "slippery")
+CONFIG_KEYS = (
+    "model",
+    "preset",
+    "algo",
+    "estimator",
+    "n_groups",
+    "group_size",
+    "keep_ratio",
+    "lr",
+    "max_tokens",
+    "steps",
+    "val_size",
+    "eval_every",
+    "max_context_turns",
+    "slippery",
+)
 
 
-def summarise(run: dict, command: str, target_success: float, target_wall_s: float, thresholds: tuple,
-              judged: bool) -> dict:
+def summarise(
+    run: dict, command: str, target_success: float, target_wall_s: float, thresholds: tuple, judged: bool
+) -> dict:
     """The one schema: the eval curve (step, wall seconds since the command started, val/success, with the random
     and optimal reference on the same evaluation set when the script logs them), the wall time to each threshold,
     seconds per step and their breakdown, the machine and its load. judged: the default run, so the target counts."""
     rows, config, t0 = run["rows"], run["config"], run["t0"]
     evals = [r for r in rows if "val/success" in r]
     train = [r for r in rows if "timing_s/gen" in r]
-    curve = [{"step": r["step"], "wall_s": round(r["timestamp"] - t0, 1), "val_success": r["val/success"]}
-             | {k.replace("val/", "val_"): r[k] for k in ("val/random_success", "val/optimal_success") if k in r}
-             for r in evals]
+    curve = [
+        {"step": r["step"], "wall_s": round(r["timestamp"] - t0, 1), "val_success": r["val/success"]}
+        | {k.replace("val/", "val_"): r[k] for k in ("val/random_success", "val/optimal_success") if k in r}
+        for r in evals
+    ]
     first = lambda thr: next((c["wall_s"] for c in curve if c["val_success"] >= thr), None)  # noqa: E731
     median = lambda f: round(statistics.median(f(r) for r in train), 3) if train else None  # noqa: E731
     batch = config["n_groups"] * config["group_size"]
@@ -89,7 +118,9 @@ def summarise(run: dict, command: str, target_success: float, target_wall_s: flo
         "steps": len(train),
         "median_s_per_step": median(lambda r: r["timing_s/step"]),
         "median_s_per_step_excl_eval": median(lambda r: r["timing_s/step"] - r.get("timing_s/eval", 0.0)),
-        "median_s_breakdown": {k: median(lambda r, k=k: r[f"timing_s/{k}"]) for k in ("gen", "env", "logprob", "update")},
+        "median_s_breakdown": {
+            k: median(lambda r, k=k: r[f"timing_s/{k}"]) for k in ("gen", "env", "logprob", "update")
+        },
         "gen_tokens_per_s": round(replies / gen_s, 1) if gen_s else None,
         "eval_curve": curve,
         "target": f">= {target_success:g} eval success within {target_wall_s:g} s wall time (cold cache, default run)",
@@ -103,14 +134,22 @@ def main(script: str, out_name: str, target_success: float, target_wall_s: float
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warm-cache", action="store_true", help="reuse STARPO_CACHE instead of a fresh cache")
-    ap.add_argument("--steps", type=int, default=None, help="override the script's --steps (a quick check; the target "
-                                                             "is judged only on the default run)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="override the script's --steps (a quick check; the target is judged only on the default run)",
+    )
     ap.add_argument("--val-size", type=int, default=None, help="override the script's --val-size (a quick check)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out_name))
     ap.add_argument("extra", nargs="*", help=f"extra flags for {script} (after --)")
     a = ap.parse_args()
-    flags = ["--seed", str(a.seed)] + (["--steps", str(a.steps)] if a.steps is not None else []) \
-        + (["--val-size", str(a.val_size)] if a.val_size is not None else []) + list(a.extra)
+    flags = (
+        ["--seed", str(a.seed)]
+        + (["--steps", str(a.steps)] if a.steps is not None else [])
+        + (["--val-size", str(a.val_size)] if a.val_size is not None else [])
+        + list(a.extra)
+    )
     run = run_script(script, flags, a.warm_cache)
     judged = not a.warm_cache and a.steps is None and a.val_size is None and not a.extra
     result = summarise(run, f"python {script} " + " ".join(flags), target_success, target_wall_s, thresholds, judged)

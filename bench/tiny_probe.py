@@ -49,7 +49,12 @@ def frozenlake_states(n: int, first_seed: int, rng: random.Random) -> list[tuple
             r, c = queue.popleft()
             for dr, dc in fl.MOVES:
                 cell = (r + dr, c + dc)
-                if 0 <= cell[0] < size and 0 <= cell[1] < size and env.desc[cell[0]][cell[1]] != "H" and cell not in dist:
+                if (
+                    0 <= cell[0] < size
+                    and 0 <= cell[1] < size
+                    and env.desc[cell[0]][cell[1]] != "H"
+                    and cell not in dist
+                ):
                     dist[cell] = dist[(r, c)] + 1
                     queue.append(cell)
         cells = [cell for cell, d in dist.items() if d > 0]
@@ -86,8 +91,17 @@ def with_hint(messages: list[dict], label: str) -> list[dict]:
     return messages[:-1] + [last]
 
 
-def probe(task: str, prompt: str, steps: int, eval_every: int, lr: float, batch_size: int, train_size: int, test_size: int,
-          seed: int) -> dict:
+def probe(
+    task: str,
+    prompt: str,
+    steps: int,
+    eval_every: int,
+    lr: float,
+    batch_size: int,
+    train_size: int,
+    test_size: int,
+    seed: int,
+) -> dict:
     spec = TASKS[task]
     script = spec["script"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -112,7 +126,9 @@ def probe(task: str, prompt: str, steps: int, eval_every: int, lr: float, batch_
         with torch.no_grad():
             for messages, thought, label in test:
                 text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                ids = tok(text + f"<think> {thought} </think> <answer>", add_special_tokens=False, return_tensors="pt")["input_ids"]
+                ids = tok(text + f"<think> {thought} </think> <answer>", add_special_tokens=False, return_tensors="pt")[
+                    "input_ids"
+                ]
                 logits = model(input_ids=ids).logits[0, -1]  # (V,)
                 hits += max(word_ids, key=lambda a: logits[word_ids[a]].item()) == label
         model.train()
@@ -125,7 +141,9 @@ def probe(task: str, prompt: str, steps: int, eval_every: int, lr: float, batch_
         batch = rng.sample(train, batch_size)
         rows = []
         for messages, thought, label in batch:
-            p = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+            p = tok(
+                tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+            )["input_ids"]
             r = tok(f"<think> {thought} </think> <answer> {label} </answer>", add_special_tokens=False)["input_ids"]
             rows.append((p + r + [tok.eos_token_id], len(p)))
         input_ids, labels, attn = common.sft_batch(rows, tok.pad_token_id)  # (B, T) each: loss on the reply only
@@ -138,9 +156,16 @@ def probe(task: str, prompt: str, steps: int, eval_every: int, lr: float, batch_
             curve.append((step, accuracy()))
             print(f"{task:10s} {prompt:4s} step {step:4d}  held-out accuracy {curve[-1][1]:.3f}", flush=True)
     majority = Counter(label for _, _, label in test).most_common(1)[0]
-    return {"task": task, "prompt": prompt, "model": path.name, "curve": curve, "best": max(a for _, a in curve[1:] or curve),
-            "majority_class": majority[0], "majority_accuracy": majority[1] / len(test),
-            "train_seconds": round(time.time() - t0, 1)}
+    return {
+        "task": task,
+        "prompt": prompt,
+        "model": path.name,
+        "curve": curve,
+        "best": max(a for _, a in curve[1:] or curve),
+        "majority_class": majority[0],
+        "majority_accuracy": majority[1] / len(test),
+        "train_seconds": round(time.time() - t0, 1),
+    }
 
 
 def main():
@@ -149,7 +174,9 @@ def main():
     ap.add_argument("--prompts", nargs="+", default=["grid", "copy"], choices=["grid", "copy"])
     ap.add_argument("--steps", type=int, default=300, help="supervised steps per probe")
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (the warm-up's is 3e-3, RL's 1e-4..2e-4)")
+    ap.add_argument(
+        "--lr", type=float, default=1e-3, help="AdamW learning rate (the warm-up's is 3e-3, RL's 1e-4..2e-4)"
+    )
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--train-size", type=int, default=2000, help="distinct labelled states to sample batches from")
     ap.add_argument("--test-size", type=int, default=200)
@@ -157,12 +184,17 @@ def main():
     ap.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "tiny_probe.json"))
     a = ap.parse_args()
     load_start, t0 = harness.os.getloadavg(), time.time()
-    runs = [probe(task, prompt, a.steps, a.eval_every, a.lr, a.batch_size, a.train_size, a.test_size, a.seed)
-            for task in a.tasks for prompt in a.prompts]
+    runs = [
+        probe(task, prompt, a.steps, a.eval_every, a.lr, a.batch_size, a.train_size, a.test_size, a.seed)
+        for task in a.tasks
+        for prompt in a.prompts
+    ]
     result = {
         "benchmark": "tiny_probe",
         "command": "python bench/tiny_probe.py " + " ".join(sys.argv[1:]),
-        "settings": {k: getattr(a, k) for k in ("steps", "eval_every", "lr", "batch_size", "train_size", "test_size", "seed")},
+        "settings": {
+            k: getattr(a, k) for k in ("steps", "eval_every", "lr", "batch_size", "train_size", "test_size", "seed")
+        },
         "runs": runs,
         "learned": {f"{r['task']}/{r['prompt']}": r["best"] >= r["majority_accuracy"] + 0.15 for r in runs},
         "wall_seconds": round(time.time() - t0, 1),

@@ -43,9 +43,13 @@ import starpo_bandit as sb  # noqa: E402
 
 # The training environment both sides use: starpo_bandit's defaults (Phoenix 0.15, Dragon 1.0 w.p. 0.25).
 _DEFAULT_ARGS = sb.Args()
-ENV_KWARGS = dict(low_name=_DEFAULT_ARGS.low_arm_name, high_name=_DEFAULT_ARGS.high_arm_name,
-                  low_reward=_DEFAULT_ARGS.low_arm_reward, high_reward=_DEFAULT_ARGS.high_arm_reward,
-                  high_prob=_DEFAULT_ARGS.high_arm_prob)
+ENV_KWARGS = dict(
+    low_name=_DEFAULT_ARGS.low_arm_name,
+    high_name=_DEFAULT_ARGS.high_arm_name,
+    low_reward=_DEFAULT_ARGS.low_arm_reward,
+    high_reward=_DEFAULT_ARGS.high_arm_reward,
+    high_prob=_DEFAULT_ARGS.high_arm_prob,
+)
 
 
 ########################################################################################################################
@@ -87,13 +91,23 @@ def bandit_reward(completions, seed, **kwargs) -> list[float]:
         text = completion_text(completion)
         think, answer = sb.parse_reply(text)
         _, reward, _, info = env.step(answer if answer is not None else "")
-        total, _ = sb.score_turn(sb.Turn(text=text, think=think, answer=answer, env_reward=reward, info=info), sb.RUBRIC)
+        total, _ = sb.score_turn(
+            sb.Turn(text=text, think=think, answer=answer, env_reward=reward, info=info), sb.RUBRIC
+        )
         out.append(total)
     return out
 
 
-def matched_settings(steps: int = 20, n_groups: int = 8, group_size: int = 4, max_tokens: int = 64, lr: float = 1e-4,
-                     val_size: int = 256, seed: int = 0, temperature: float = 1.0) -> dict:
+def matched_settings(
+    steps: int = 20,
+    n_groups: int = 8,
+    group_size: int = 4,
+    max_tokens: int = 64,
+    lr: float = 1e-4,
+    val_size: int = 256,
+    seed: int = 0,
+    temperature: float = 1.0,
+) -> dict:
     """The two sides' settings, built from one set of numbers.
 
     starpo_argv: flags for starpo_bandit.py (the model and output directory are added by the caller).
@@ -104,32 +118,98 @@ def matched_settings(steps: int = 20, n_groups: int = 8, group_size: int = 4, ma
     """
     completions = n_groups * group_size
     starpo_argv = [
-        "--algo", "starpo-s", "--estimator", "grpo", "--backend", "hf", "--device", "cpu",
-        "--n-groups", str(n_groups), "--group-size", str(group_size), "--max-tokens", str(max_tokens),
-        "--lr", str(lr), "--temperature", str(temperature), "--top-p", "1.0",
-        "--kl-coef", "0", "--clip-low", "0.2", "--clip-high", "0.28",
-        "--mini-batch-size", str(completions), "--micro-batch-size", str(completions), "--ppo-epochs", "1",
-        "--steps", str(steps), "--eval-every", str(steps), "--val-size", str(val_size), "--seed", str(seed),
-        "--sample-every", "0", "--log-rollouts-every", "0",
+        "--algo",
+        "starpo-s",
+        "--estimator",
+        "grpo",
+        "--backend",
+        "hf",
+        "--device",
+        "cpu",
+        "--n-groups",
+        str(n_groups),
+        "--group-size",
+        str(group_size),
+        "--max-tokens",
+        str(max_tokens),
+        "--lr",
+        str(lr),
+        "--temperature",
+        str(temperature),
+        "--top-p",
+        "1.0",
+        "--kl-coef",
+        "0",
+        "--clip-low",
+        "0.2",
+        "--clip-high",
+        "0.28",
+        "--mini-batch-size",
+        str(completions),
+        "--micro-batch-size",
+        str(completions),
+        "--ppo-epochs",
+        "1",
+        "--steps",
+        str(steps),
+        "--eval-every",
+        str(steps),
+        "--val-size",
+        str(val_size),
+        "--seed",
+        str(seed),
+        "--sample-every",
+        "0",
+        "--log-rollouts-every",
+        "0",
     ]
     grpo_config = dict(
         # batch geometry: one optimizer step = n_groups prompts x group_size completions
-        num_generations=group_size, per_device_train_batch_size=completions, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_iterations=1, max_steps=steps, shuffle_dataset=False,
+        num_generations=group_size,
+        per_device_train_batch_size=completions,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_steps=steps,
+        shuffle_dataset=False,
         # generation (transformers' generate, no vLLM)
-        max_completion_length=max_tokens, temperature=temperature, top_p=1.0, top_k=0, use_vllm=False,
+        max_completion_length=max_tokens,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        use_vllm=False,
         # loss: no KL, clip 0.2 / 0.28, dual clip 3 (TRL's `delta` caps the ratio: the same as a dual clip of 3
         # for negative advantages), token-mean aggregation over the whole step ("dapo"), group-std scaling,
         # entropy bonus 0.001 (starpo_bandit's --entropy-coef default)
-        beta=0.0, epsilon=0.2, epsilon_high=0.28, delta=3.0, loss_type="dapo", scale_rewards="group",
-        entropy_coef=0.001, mask_truncated_completions=False,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        delta=3.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        entropy_coef=0.001,
+        mask_truncated_completions=False,
         # optimiser: AdamW (0.9, 0.999), weight decay 0.01, constant lr, grad clip 1.0 (starpo_bandit's defaults)
-        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, adam_beta1=0.9,
-        adam_beta2=0.999, max_grad_norm=1.0,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
         # machine: CPU, fp32, no gradient checkpointing (starpo_bandit has none either)
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32"},
         # bookkeeping
-        seed=seed, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, log_completions=False,
+        seed=seed,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        log_completions=False,
         dataloader_num_workers=0,
     )
     return dict(starpo_argv=starpo_argv, grpo_config=grpo_config, completions_per_step=completions)
@@ -137,7 +217,9 @@ def matched_settings(steps: int = 20, n_groups: int = 8, group_size: int = 4, ma
 
 def median_step_seconds_starpo(rows: list[dict]) -> list[float]:
     """Per-step seconds from starpo_bandit's metrics.jsonl, eval time taken out (step 0 is the pre-training eval)."""
-    return [r["timing_s/step"] - r.get("timing_s/eval", 0.0) for r in rows if r.get("step", 0) >= 1 and "timing_s/step" in r]
+    return [
+        r["timing_s/step"] - r.get("timing_s/eval", 0.0) for r in rows if r.get("step", 0) >= 1 and "timing_s/step" in r
+    ]
 
 
 def step_seconds_from_stamps(begins: list[float], ends: list[float]) -> list[float]:
@@ -178,18 +260,39 @@ def trl_worker(config_path: str) -> None:
     config = trl.GRPOConfig(output_dir=str(out_dir / "trainer"), **cfg["grpo_config"])
     timer = StepTimer()
     t0 = time.time()
-    trainer = trl.GRPOTrainer(model=cfg["model_dir"], reward_funcs=bandit_reward, args=config, train_dataset=dataset,
-                              callbacks=[timer])
+    trainer = trl.GRPOTrainer(
+        model=cfg["model_dir"], reward_funcs=bandit_reward, args=config, train_dataset=dataset, callbacks=[timer]
+    )
     t_init = time.time() - t0
     t1 = time.time()
     trainer.train()
     t_train = time.time() - t1
     trainer.save_model(str(out_dir / "final"))
-    effective = {k: getattr(config, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                                  "generation_batch_size", "steps_per_generation", "num_generations")}
-    (out_dir / "trl_result.json").write_text(json.dumps(dict(
-        trl_version=trl.__version__, step_begin=timer.begins, step_end=timer.ends, init_s=t_init, train_s=t_train,
-        global_step=trainer.state.global_step, effective=effective, log_history=trainer.state.log_history), indent=1))
+    effective = {
+        k: getattr(config, k)
+        for k in (
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "generation_batch_size",
+            "steps_per_generation",
+            "num_generations",
+        )
+    }
+    (out_dir / "trl_result.json").write_text(
+        json.dumps(
+            dict(
+                trl_version=trl.__version__,
+                step_begin=timer.begins,
+                step_end=timer.ends,
+                init_s=t_init,
+                train_s=t_train,
+                global_step=trainer.state.global_step,
+                effective=effective,
+                log_history=trainer.state.log_history,
+            ),
+            indent=1,
+        )
+    )
 
 
 ########################################################################################################################
@@ -212,8 +315,12 @@ def evaluate_model(model_dir: str, tok_dir: str, val_size: int, max_tokens: int,
     import torch
 
     model, tok = load(model_dir, tok_dir)
-    args = sb.Args(val_size=val_size, max_tokens=max_tokens, val_low_arm_name=ENV_KWARGS["low_name"],
-                   val_high_arm_name=ENV_KWARGS["high_name"])
+    args = sb.Args(
+        val_size=val_size,
+        max_tokens=max_tokens,
+        val_low_arm_name=ENV_KWARGS["low_name"],
+        val_high_arm_name=ENV_KWARGS["high_name"],
+    )
 
     def generate(prompts, temperature):
         return sb.hf_generate(model, tok, prompts, temperature, 1.0, max_tokens, args.gen_batch_size)
@@ -224,7 +331,9 @@ def evaluate_model(model_dir: str, tok_dir: str, val_size: int, max_tokens: int,
     return {k: round(float(v), 4) for k, v in val.items()} | {"eval_s": round(time.time() - t0, 1)}
 
 
-def generation_throughput(model_dir: str, n_prompts: int, group_size: int, max_tokens: int, seed: int, reps: int) -> dict:
+def generation_throughput(
+    model_dir: str, n_prompts: int, group_size: int, max_tokens: int, seed: int, reps: int
+) -> dict:
     """Generated tokens per second: starpo_bandit.hf_generate vs plain model.generate, same model and batch.
 
     The batch is n_prompts distinct bandit prompts, each repeated group_size times (a training step's shape).
@@ -238,14 +347,16 @@ def generation_throughput(model_dir: str, n_prompts: int, group_size: int, max_t
     env = sb.BanditEnv(**ENV_KWARGS)
     prompts = []
     for s in range(n_prompts):
-        text = tok.apply_chat_template(sb.make_messages(env.reset(10**8 + s)), add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            sb.make_messages(env.reset(10**8 + s)), add_generation_prompt=True, tokenize=False
+        )
         prompts += [tok(text, add_special_tokens=False)["input_ids"]] * group_size
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), tok.pad_token_id)
     attn = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
 
     def run_hf():
         replies = sb.hf_generate(model, tok, prompts, 1.0, 1.0, max_tokens, len(prompts))
@@ -253,8 +364,17 @@ def generation_throughput(model_dir: str, n_prompts: int, group_size: int, max_t
 
     @torch.no_grad()
     def run_plain():
-        out = model.generate(input_ids=input_ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=max_tokens, eos_token_id=stops, pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_tokens,
+            eos_token_id=stops,
+            pad_token_id=tok.pad_token_id,
+        )
         new = out[:, width:].tolist()
         return sum(next((j + 1 for j, t in enumerate(row) if t in stops), len(row)) for row in new)
 
@@ -298,8 +418,12 @@ def run_logged(cmd: list[str], log_path: Path, env: dict) -> float:
 
 
 def summarise_steps(secs: list[float]) -> dict:
-    return {"median_s_per_step": round(statistics.median(secs), 3), "mean_s_per_step": round(statistics.mean(secs), 3),
-            "min_s_per_step": round(min(secs), 3), "s_per_step": [round(s, 3) for s in secs]}
+    return {
+        "median_s_per_step": round(statistics.median(secs), 3),
+        "mean_s_per_step": round(statistics.mean(secs), 3),
+        "min_s_per_step": round(min(secs), 3),
+        "s_per_step": [round(s, 3) for s in secs],
+    }
 
 
 def newest_model_dir(run_dir: Path) -> Path:
@@ -321,7 +445,8 @@ def run_starpo(name: str, argv: list[str], export_dir: Path, work: Path, env: di
     internal = [r["val/success"] for r in rows if "val/success" in r]
     return dict(
         command="python starpo_bandit.py --model <export> " + " ".join(argv),
-        wall_s_total=round(wall, 1), **summarise_steps(secs),
+        wall_s_total=round(wall, 1),
+        **summarise_steps(secs),
         median_gen_s=round(statistics.median(r["timing_s/gen"] for r in train), 3),
         median_update_s=round(statistics.median(r["timing_s/update"] for r in train), 3),
         train_s=round(sum(secs), 1),
@@ -344,8 +469,11 @@ def main(argv=None):
     ap.add_argument("--tps-group-size", type=int, default=8, help="tokens/s batch: n-groups prompts x this")
     ap.add_argument("--tps-reps", type=int, default=3, help="tokens/s: timed repetitions of each generator")
     ap.add_argument("--skip-trl", action="store_true", help="StarPO side only (quick checks; trl not needed)")
-    ap.add_argument("--no-keep-all", action="store_true",
-                    help="skip the secondary StarPO run without the uncertainty filter (--keep-ratio 1)")
+    ap.add_argument(
+        "--no-keep-all",
+        action="store_true",
+        help="skip the secondary StarPO run without the uncertainty filter (--keep-ratio 1)",
+    )
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary run directories (printed)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_trl.json"))
     ap.add_argument("--_trl-worker", dest="trl_worker", default=None, help=argparse.SUPPRESS)
@@ -362,7 +490,9 @@ def main(argv=None):
     work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
     try:
         # ---- the model both sides start from: the embedded tiny model after its format warm-up ----------------------
-        cached = common.build_tiny_model("bandit", sb.tiny_warmup_examples([(ENV_KWARGS["low_name"], ENV_KWARGS["high_name"])]))
+        cached = common.build_tiny_model(
+            "bandit", sb.tiny_warmup_examples([(ENV_KWARGS["low_name"], ENV_KWARGS["high_name"])])
+        )
         export_dir = work / "tiny-bandit-export"
         shutil.copytree(cached, export_dir)
         info = json.loads((export_dir / "build_info.json").read_text())
@@ -380,8 +510,18 @@ def main(argv=None):
             trl_dir = work / "trl"
             trl_dir.mkdir()
             cfg_path = work / "trl_config.json"
-            cfg_path.write_text(json.dumps(dict(model_dir=str(export_dir), out_dir=str(trl_dir), steps=a.steps,
-                                                n_groups=a.n_groups, seed=a.seed, grpo_config=settings["grpo_config"])))
+            cfg_path.write_text(
+                json.dumps(
+                    dict(
+                        model_dir=str(export_dir),
+                        out_dir=str(trl_dir),
+                        steps=a.steps,
+                        n_groups=a.n_groups,
+                        seed=a.seed,
+                        grpo_config=settings["grpo_config"],
+                    )
+                )
+            )
             cmd = [sys.executable, str(Path(__file__).resolve()), "--_trl-worker", str(cfg_path)]
             print(f"[vs_trl] TRL {trl_version} GRPOTrainer: {a.steps} steps", flush=True)
             wall = run_logged(cmd, work / "trl.log", env)
@@ -389,19 +529,30 @@ def main(argv=None):
             secs = step_seconds_from_stamps(tr["step_begin"], tr["step_end"])
             logs = [h for h in tr["log_history"] if "reward" in h]
             result["trl"] = dict(
-                trl_version=trl_version, wall_s_total=round(wall, 1), trainer_init_s=round(tr["init_s"], 1),
-                train_s=round(tr["train_s"], 1), steps=tr["global_step"], **summarise_steps(secs),
-                trl_step_time_metric_median=round(statistics.median(h["step_time"] for h in logs), 3) if logs and "step_time" in logs[0] else None,
+                trl_version=trl_version,
+                wall_s_total=round(wall, 1),
+                trainer_init_s=round(tr["init_s"], 1),
+                train_s=round(tr["train_s"], 1),
+                steps=tr["global_step"],
+                **summarise_steps(secs),
+                trl_step_time_metric_median=round(statistics.median(h["step_time"] for h in logs), 3)
+                if logs and "step_time" in logs[0]
+                else None,
                 train_reward_per_step=[round(h["reward"], 3) for h in logs],
-                effective_batch=tr["effective"], final_dir=str(trl_dir / "final"),
+                effective_batch=tr["effective"],
+                final_dir=str(trl_dir / "final"),
             )
 
         print("[vs_trl] starpo_bandit.py (starpo-s, grpo)", flush=True)
         result["starpo"] = run_starpo("starpo", settings["starpo_argv"], export_dir, work, env)
         if not a.no_keep_all:
-            print("[vs_trl] starpo_bandit.py with --keep-ratio 1 (no uncertainty filter: trains all groups, like TRL)", flush=True)
-            result["starpo_keep_all"] = run_starpo("starpo_keep_all", settings["starpo_argv"] + ["--keep-ratio", "1"],
-                                                   export_dir, work, env)
+            print(
+                "[vs_trl] starpo_bandit.py with --keep-ratio 1 (no uncertainty filter: trains all groups, like TRL)",
+                flush=True,
+            )
+            result["starpo_keep_all"] = run_starpo(
+                "starpo_keep_all", settings["starpo_argv"] + ["--keep-ratio", "1"], export_dir, work, env
+            )
 
         # ---- the same evaluator for every final model (and the starting point) -------------------------------------
         evals = {"initial": evaluate_model(str(export_dir), str(export_dir), a.val_size, a.max_tokens, a.seed)}
@@ -417,12 +568,23 @@ def main(argv=None):
         out = {
             "command": " ".join(["python bench/vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),
             "python_executable": sys.executable,
-            "model": {"what": "embedded tiny model (starpo_bandit's, after its format warm-up), exported",
-                      "params": info["params"], "cache_key": cached.name},
-            "settings": {"steps": a.steps, "n_groups": a.n_groups, "group_size": a.group_size,
-                         "completions_per_step": settings["completions_per_step"], "max_tokens": a.max_tokens,
-                         "lr": a.lr, "temperature": 1.0, "val_size": a.val_size, "val_temperature": 0.5,
-                         "seed": a.seed},
+            "model": {
+                "what": "embedded tiny model (starpo_bandit's, after its format warm-up), exported",
+                "params": info["params"],
+                "cache_key": cached.name,
+            },
+            "settings": {
+                "steps": a.steps,
+                "n_groups": a.n_groups,
+                "group_size": a.group_size,
+                "completions_per_step": settings["completions_per_step"],
+                "max_tokens": a.max_tokens,
+                "lr": a.lr,
+                "temperature": 1.0,
+                "val_size": a.val_size,
+                "val_temperature": 0.5,
+                "seed": a.seed,
+            },
             "trl_version": trl_version,
             "grpo_config": settings["grpo_config"] if not a.skip_trl else None,
             "starpo_argv": settings["starpo_argv"],
@@ -436,12 +598,19 @@ def main(argv=None):
             out["trl_over_starpo_speedup"] = round(trl_med / starpo_med, 2)
             out["eval_success_after_n_steps"] = {k: evals[k]["val/success"] for k in ("initial", *result)}
             out["target"] = "starpo median s/step <= 0.25 x TRL's, and eval high-arm rate >= TRL's after the same steps"
-            out["target_met"] = {"speed": starpo_med <= 0.25 * trl_med,
-                                 "learning": evals["starpo"]["val/success"] >= evals["trl"]["val/success"]}
+            out["target_met"] = {
+                "speed": starpo_med <= 0.25 * trl_med,
+                "learning": evals["starpo"]["val/success"] >= evals["trl"]["val/success"],
+            }
         out["bench_wall_s"] = round(time.time() - t_bench, 1)
-        out["machine"] = {"cpus": os.cpu_count(), "torch_threads": __import__("torch").get_num_threads(),
-                          "platform": platform.platform(), "python": platform.python_version(),
-                          "load_avg_at_start": load_at_start, "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]}
+        out["machine"] = {
+            "cpus": os.cpu_count(),
+            "torch_threads": __import__("torch").get_num_threads(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_avg_at_start": load_at_start,
+            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+        }
         out["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -53,9 +53,21 @@ def summarise(run_dir: Path) -> dict:
         vals = [r[key] for r in train if key in r]
         return [round(statistics.mean(vals[:k]), 3), round(statistics.mean(vals[-k:]), 3)] if vals else None
 
-    keys = ["train/success", "train/reward", "rollout/in_group_std", "rollout/zero_std_frac", "actor/entropy",
-            "actor/grad_norm", "think_length/mean", "response_length/mean", "rollout/truncated_frac",
-            "train/num_turns", "train/num_actions", "train/action_is_valid", "train/action_is_effective"]
+    keys = [
+        "train/success",
+        "train/reward",
+        "rollout/in_group_std",
+        "rollout/zero_std_frac",
+        "actor/entropy",
+        "actor/grad_norm",
+        "think_length/mean",
+        "response_length/mean",
+        "rollout/truncated_frac",
+        "train/num_turns",
+        "train/num_actions",
+        "train/action_is_valid",
+        "train/action_is_effective",
+    ]
     keys += sorted({k for r in train for k in r if k.startswith("rubric/")})
     return {
         "val_success": evals,
@@ -84,13 +96,20 @@ def main(argv=None) -> int:
         if proc.returncode != 0:
             print(proc.stderr[-3000:])
             return proc.returncode
-        results["runs"][" ".join(["python", *cmd])] = dict(exercise=exercise, wall_s=round(wall, 1),
-                                                           date=time.strftime("%Y-%m-%d %H:%M"),
-                                                           load_avg_at_end=[round(x, 2) for x in os.getloadavg()],
-                                                           **summarise(run_dir))
+        results["runs"][" ".join(["python", *cmd])] = dict(
+            exercise=exercise,
+            wall_s=round(wall, 1),
+            date=time.strftime("%Y-%m-%d %H:%M"),
+            load_avg_at_end=[round(x, 2) for x in os.getloadavg()],
+            **summarise(run_dir),
+        )
         print(json.dumps(results["runs"][" ".join(["python", *cmd])])[:400], flush=True)
-        results["machine"] = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
-                                  omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
+        results["machine"] = dict(
+            cpus=os.cpu_count(),
+            platform=platform.platform(),
+            python=platform.python_version(),
+            omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+        )
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(results, indent=1))
     return 0

@@ -20,8 +20,9 @@ def pytest_configure(config):
 def run_script_file(script: str, *flags, timeout: float = 900, env_extra: dict | None = None):
     """Run one of the training scripts as a user would (a subprocess in the repository root); output captured."""
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *flags], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 # ---- a scripted "model": fixed replies, and a tokenizer that is one token per character ---------------------------

@@ -59,8 +59,10 @@ def make_corridor_script(folder):
     start, end = text.index(BANNER + "# ENVIRONMENT"), text.index(BANNER + "# RUBRIC")
     text = text[:start] + CORRIDOR + text[end:]  # step 1: the ENVIRONMENT section
     text = text.replace('TASK = "frozenlake"', 'TASK = "corridor"')  # step 2: the task's name
-    old_rules = text[text.index("RULES = ("):text.index("FORMAT_PROMPT = ")]
-    text = text.replace(old_rules, 'RULES = "Corridor: reach G. Moves: Left, Right. Up to {per_turn} a turn, {per_traj} in all."\n')
+    old_rules = text[text.index("RULES = (") : text.index("FORMAT_PROMPT = ")]
+    text = text.replace(
+        old_rules, 'RULES = "Corridor: reach G. Moves: Left, Right. Up to {per_turn} a turn, {per_traj} in all."\n'
+    )
     (folder / "starpo_corridor.py").write_text(text)
     for name in ("common.py", "report.py", "starpo_sokoban.py", "starpo_bandit.py"):  # plumbing and the copies' sources
         shutil.copy(ROOT / name, folder / name)
@@ -73,9 +75,27 @@ def test_the_recipe_trains_a_new_environment_for_one_step(tmp_path):
     make_corridor_script(folder)
     model = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(fl.Args()), **fl.TINY_BUILD)  # cached
     out = tmp_path / "run"
-    r = run_script_file(str(folder / "starpo_corridor.py"), "--model", str(model), "--preset", "tiny", "--steps", "1",
-                        "--val-size", "4", "--n-groups", "2", "--group-size", "3", "--eval-every", "1",
-                        "--log-rollouts-every", "1", "--output-dir", str(out))
+    r = run_script_file(
+        str(folder / "starpo_corridor.py"),
+        "--model",
+        str(model),
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--val-size",
+        "4",
+        "--n-groups",
+        "2",
+        "--group-size",
+        "3",
+        "--eval-every",
+        "1",
+        "--log-rollouts-every",
+        "1",
+        "--output-dir",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1] and rows[0]["val/optimal_success"] == 1.0

@@ -54,10 +54,19 @@ def test_same_seed_same_payout_draw():
         assert env.step("Dragon")[1] == a
 
 
-@pytest.mark.parametrize("action,valid,success", [
-    ("Dragon", True, True), ("  dRaGoN \n", True, True), ("Phoenix", True, False), ("PHOENIX", True, False),
-    ("", False, False), ("Dragon Phoenix", False, False), ("Drag", False, False), ("<answer>Dragon</answer>", False, False),
-])
+@pytest.mark.parametrize(
+    "action,valid,success",
+    [
+        ("Dragon", True, True),
+        ("  dRaGoN \n", True, True),
+        ("Phoenix", True, False),
+        ("PHOENIX", True, False),
+        ("", False, False),
+        ("Dragon Phoenix", False, False),
+        ("Drag", False, False),
+        ("<answer>Dragon</answer>", False, False),
+    ],
+)
 def test_step_validity(action, valid, success):
     env = sb.BanditEnv()
     env.reset(0)
@@ -70,19 +79,22 @@ def test_step_validity(action, valid, success):
 # ---- parsing ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,think,answer", [
-    ("<think> hm </think> <answer> Dragon </answer>", "hm", "Dragon"),
-    ("<think>line one\nline two</think>\n<answer>\nPhoenix\n</answer>", "line one\nline two", "Phoenix"),
-    ("<answer>Dragon</answer>", None, "Dragon"),  # missing think: the answer still counts, the format does not
-    ("<think>x</think>", "x", None),  # missing answer
-    ("<think>x</think><answer>Dragon", "x", None),  # unclosed
-    ("<think>x</think><answer>Dragon</answer><answer>Phoenix</answer>", "x", None),  # repeated
-    ("<answer><answer>Dragon</answer></answer>", None, None),  # nested
-    ("</answer>Dragon<answer>", None, None),  # reversed
-    ("<ANSWER>Dragon</ANSWER>", None, None),  # tags are case-sensitive
-    ("<think><think>a</think></think><answer>Dragon</answer>", None, "Dragon"),
-    ("", None, None),
-])
+@pytest.mark.parametrize(
+    "text,think,answer",
+    [
+        ("<think> hm </think> <answer> Dragon </answer>", "hm", "Dragon"),
+        ("<think>line one\nline two</think>\n<answer>\nPhoenix\n</answer>", "line one\nline two", "Phoenix"),
+        ("<answer>Dragon</answer>", None, "Dragon"),  # missing think: the answer still counts, the format does not
+        ("<think>x</think>", "x", None),  # missing answer
+        ("<think>x</think><answer>Dragon", "x", None),  # unclosed
+        ("<think>x</think><answer>Dragon</answer><answer>Phoenix</answer>", "x", None),  # repeated
+        ("<answer><answer>Dragon</answer></answer>", None, None),  # nested
+        ("</answer>Dragon<answer>", None, None),  # reversed
+        ("<ANSWER>Dragon</ANSWER>", None, None),  # tags are case-sensitive
+        ("<think><think>a</think></think><answer>Dragon</answer>", None, "Dragon"),
+        ("", None, None),
+    ],
+)
 def test_parse_reply(text, think, answer):
     assert sb.parse_reply(text) == (think, answer)
 
@@ -111,15 +123,18 @@ def weights():
     return {fn.__name__: w for fn, w in sb.RUBRIC}
 
 
-@pytest.mark.parametrize("text,fmt,invalid", [
-    ("<think>risky pays more on average</think> <answer>Dragon</answer>", 1.0, 0.0),
-    ("<think>\nsafe\n</think>\n<answer>Phoenix</answer>\n", 1.0, 0.0),  # multi-line thinking must match
-    ("<answer>Dragon</answer>", 0.0, 0.0),  # valid answer, no thinking
-    ("I pick Dragon", 0.0, -1.0),
-    ("<think>x</think><answer>Unicorn</answer>", 1.0, -1.0),  # well formed but not an arm
-    ("<think>x</think><answer>Dragon</answer> trailing words", 0.0, 0.0),
-    ("<think>a<answer>Dragon</answer></think>", 0.0, 0.0),  # answer inside think: a valid arm, bad format
-])
+@pytest.mark.parametrize(
+    "text,fmt,invalid",
+    [
+        ("<think>risky pays more on average</think> <answer>Dragon</answer>", 1.0, 0.0),
+        ("<think>\nsafe\n</think>\n<answer>Phoenix</answer>\n", 1.0, 0.0),  # multi-line thinking must match
+        ("<answer>Dragon</answer>", 0.0, 0.0),  # valid answer, no thinking
+        ("I pick Dragon", 0.0, -1.0),
+        ("<think>x</think><answer>Unicorn</answer>", 1.0, -1.0),  # well formed but not an arm
+        ("<think>x</think><answer>Dragon</answer> trailing words", 0.0, 0.0),
+        ("<think>a<answer>Dragon</answer></think>", 0.0, 0.0),  # answer inside think: a valid arm, bad format
+    ],
+)
 def test_rubric_components(text, fmt, invalid):
     total, parts = run_rubric(text)
     assert parts["format_reward"] == fmt
@@ -169,8 +184,13 @@ def test_generation_logprobs_match_update_pass(tiny):
     model, tok = tiny
     torch.manual_seed(0)
     env = sb.BanditEnv()
-    full = [tok(tok.apply_chat_template(sb.make_messages(env.reset(s)), add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False)["input_ids"] for s in range(4)]
+    full = [
+        tok(
+            tok.apply_chat_template(sb.make_messages(env.reset(s)), add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for s in range(4)
+    ]
     prompts = [full[0], full[1][9:], full[2][3:], full[3], full[0]]  # ragged lengths force left padding
     replies = sb.hf_generate(model, tok, prompts, 0.7, 1.0, 24, 64)
     trajs = [sb.Trajectory(0, p, r, lp, None, 0.0, {}) for p, (r, lp) in zip(prompts, replies)]
@@ -194,7 +214,11 @@ def test_micro_view_trims_to_the_rows_it_holds(tiny):
     mk = lambda p, r: sb.Trajectory(0, p, r, [0.0] * len(r), None, 0.0, {})  # noqa: E731
     batch = sb.collate([mk([1, 2, 3, 4], [5]), mk([6], [7, 8, 9]), mk([1, 2, 3, 4], [10, 11])], tok.pad_token_id, "cpu")
     pad = tok.pad_token_id
-    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, pad, pad], [pad] * 3 + [6, 7, 8, 9], [1, 2, 3, 4, 10, 11, pad]]
+    assert batch["input_ids"].tolist() == [
+        [1, 2, 3, 4, 5, pad, pad],
+        [pad] * 3 + [6, 7, 8, 9],
+        [1, 2, 3, 4, 10, 11, pad],
+    ]
     assert batch["position_ids"][1, 3:].tolist() == [0, 1, 2, 3]
     assert batch["group"].tolist() == [0, 1, 0]
     view = sb.micro_view(batch, torch.tensor([1]))
@@ -215,7 +239,11 @@ def test_shared_prompt_forward_equals_one_pass_per_row(tiny):
     trajs = []
     for p in prompts:
         for r in (1, 6, 11):
-            trajs.append(sb.Trajectory(0, p, torch.randint(5, model.config.vocab_size, (r,), generator=gen).tolist(), [], None, 0.0, {}))
+            trajs.append(
+                sb.Trajectory(
+                    0, p, torch.randint(5, model.config.vocab_size, (r,), generator=gen).tolist(), [], None, 0.0, {}
+                )
+            )
     batch = sb.collate(trajs, tok.pad_token_id, "cpu")
     mb = sb.micro_view(batch, torch.tensor([4, 0, 2, 5, 1, 3]))  # shuffled, two groups, ragged prompts and replies
     assert mb["prompt_ids"].shape[0] == 2
@@ -258,19 +286,22 @@ def run_script(*flags, timeout=900, env_extra=None):
     return run_script_file("starpo_bandit.py", *flags, timeout=timeout, env_extra=env_extra)
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--estimator", "grpo", "--group-size", "1"], "--group-size"),
-    (["--keep-ratio", "0"], "--keep-ratio"),
-    (["--keep-ratio", "1.5"], "--keep-ratio"),
-    (["--backend", "tensorrt"], "--backend"),
-    (["--backend", "vllm"], "--backend"),
-    (["--model", "no-such-org/no-such-model"], "--model"),
-    (["--lr", "-1"], "--lr"),
-    (["--dual-clip", "0.5"], "--dual-clip"),
-    (["--steps", "ten"], "--steps"),
-    (["--high-arm-name", "phoenix"], "--high-arm-name"),
-    (["--no-such-flag"], "--no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--estimator", "grpo", "--group-size", "1"], "--group-size"),
+        (["--keep-ratio", "0"], "--keep-ratio"),
+        (["--keep-ratio", "1.5"], "--keep-ratio"),
+        (["--backend", "tensorrt"], "--backend"),
+        (["--backend", "vllm"], "--backend"),
+        (["--model", "no-such-org/no-such-model"], "--model"),
+        (["--lr", "-1"], "--lr"),
+        (["--dual-clip", "0.5"], "--dual-clip"),
+        (["--steps", "ten"], "--steps"),
+        (["--high-arm-name", "phoenix"], "--high-arm-name"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
 def test_bad_flags_fail_fast_with_one_line(flags, needle, tmp_path):
     out = tmp_path / "run"
     r = run_script(*flags, "--output-dir", str(out), timeout=120)
@@ -291,11 +322,30 @@ def test_help_lists_kebab_case_flags_with_docs():
 # ---- whole-script runs -------------------------------------------------------------------------------------------
 
 EXPECTED_KEYS = {
-    "train/success", "train/reward", "rollout/in_group_std", "rollout/chosen_in_group_std", "rollout/zero_std_frac",
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-    "actor/grad_norm", "response_length/mean", "think_length/mean", "rubric/env_reward", "rubric/format_reward",
-    "rubric/invalid_answer_penalty", "timing_s/gen", "timing_s/env", "timing_s/logprob", "timing_s/update",
-    "timing_s/step", "actor/skipped_updates", "train/context_overflow", "rollout/truncated_frac",
+    "train/success",
+    "train/reward",
+    "rollout/in_group_std",
+    "rollout/chosen_in_group_std",
+    "rollout/zero_std_frac",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "response_length/mean",
+    "think_length/mean",
+    "rubric/env_reward",
+    "rubric/format_reward",
+    "rubric/invalid_answer_penalty",
+    "timing_s/gen",
+    "timing_s/env",
+    "timing_s/logprob",
+    "timing_s/update",
+    "timing_s/step",
+    "actor/skipped_updates",
+    "train/context_overflow",
+    "rollout/truncated_frac",
 }
 
 
@@ -305,8 +355,26 @@ def read_metrics(path):
 
 @pytest.mark.parametrize("algo,estimator", [("starpo-s", "gae"), ("starpo", "grpo")])
 def test_smoke_two_steps(algo, estimator, tmp_path):
-    r = run_script("--steps", "2", "--eval-every", "1", "--val-size", "8", "--n-groups", "2", "--group-size", "4",
-                   "--algo", algo, "--estimator", estimator, "--sample-every", "1", "--output-dir", str(tmp_path))
+    r = run_script(
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--val-size",
+        "8",
+        "--n-groups",
+        "2",
+        "--group-size",
+        "4",
+        "--algo",
+        algo,
+        "--estimator",
+        estimator,
+        "--sample-every",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [0, 1, 2]

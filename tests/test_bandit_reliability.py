@@ -20,18 +20,38 @@ import starpo_bandit as sb
 from report import read_jsonl
 from conftest import ROOT
 
-SMALL = ["--n-groups", "2", "--group-size", "4", "--val-size", "8", "--eval-every", "2", "--sample-every", "0",
-         "--max-tokens", "24"]
+SMALL = [
+    "--n-groups",
+    "2",
+    "--group-size",
+    "4",
+    "--val-size",
+    "8",
+    "--eval-every",
+    "2",
+    "--sample-every",
+    "0",
+    "--max-tokens",
+    "24",
+]
 TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$)")
 
 
 def metrics(run_dir):
-    return [{k: v for k, v in row.items() if not TIMING.match(k)} for row in read_jsonl(Path(run_dir) / "metrics.jsonl")]
+    return [
+        {k: v for k, v in row.items() if not TIMING.match(k)} for row in read_jsonl(Path(run_dir) / "metrics.jsonl")
+    ]
 
 
 def script(*flags, **kw):
-    return subprocess.Popen([sys.executable, str(ROOT / "starpo_bandit.py"), *flags], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "starpo_bandit.py"), *flags],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def run(*flags, timeout=600):
@@ -88,8 +108,13 @@ sb.main(sys.argv[1:])"""
 
 
 def test_sigint_checkpoints_at_the_step_boundary_and_resumes(reference_run, tmp_path):
-    p = subprocess.Popen([sys.executable, "-c", SLOW, *SMALL, "--steps", "5", "--save-every", "0", "--output-dir",
-                          str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", SLOW, *SMALL, "--steps", "5", "--save-every", "0", "--output-dir", str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first_step = tmp_path / "metrics.jsonl"
     deadline = time.time() + 600
     while (not first_step.exists() or len(first_step.read_text().splitlines()) < 2) and time.time() < deadline:
@@ -204,8 +229,22 @@ def test_empty_replies(tmp_path, monkeypatch):
 
 
 def weights_after(tmp_path, *flags):
-    in_process(tmp_path, "--steps", "1", "--weight-decay", "0", "--entropy-coef", "0", "--max-tokens", "3",
-               "--estimator", "grpo", "--keep-ratio", "1", *flags)
+    in_process(
+        tmp_path,
+        "--steps",
+        "1",
+        "--weight-decay",
+        "0",
+        "--entropy-coef",
+        "0",
+        "--max-tokens",
+        "3",
+        "--estimator",
+        "grpo",
+        "--keep-ratio",
+        "1",
+        *flags,
+    )
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(json.loads((tmp_path / "config.json").read_text())["model_path"])
@@ -217,6 +256,7 @@ def test_mask_truncated_on_means_cut_replies_are_not_trained(tmp_path, monkeypat
     """--max-tokens 3 cuts every reply: with --mask-truncated nothing is trained (weights unchanged), without it
     the cut replies are trained like any other. (A length-based rubric gives the cut replies distinct rewards, so
     there is a signal to train on.)"""
+
     def reply_length(t):
         return float(len(t.text))
 
@@ -235,10 +275,29 @@ def test_context_overflow_ends_episodes_cleanly(tmp_path):
 
 # ---- hostile model output ----------------------------------------------------------------------------------------
 
-TAGS = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "Dragon", "Phoenix", " || ", "\n", "\x00",
-                        "\ufffd", "<|im_end|>", "<answer><answer>", "dragon ", "🐉"])
-HOSTILE = st.one_of(st.text(max_size=400), st.lists(st.one_of(TAGS, st.text(max_size=8)), max_size=60).map("".join),
-                    st.binary(max_size=300).map(lambda b: b.decode("utf-8", errors="replace")))
+TAGS = st.sampled_from(
+    [
+        "<think>",
+        "</think>",
+        "<answer>",
+        "</answer>",
+        "Dragon",
+        "Phoenix",
+        " || ",
+        "\n",
+        "\x00",
+        "\ufffd",
+        "<|im_end|>",
+        "<answer><answer>",
+        "dragon ",
+        "🐉",
+    ]
+)
+HOSTILE = st.one_of(
+    st.text(max_size=400),
+    st.lists(st.one_of(TAGS, st.text(max_size=8)), max_size=60).map("".join),
+    st.binary(max_size=300).map(lambda b: b.decode("utf-8", errors="replace")),
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

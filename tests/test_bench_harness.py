@@ -13,8 +13,16 @@ import harness  # noqa: E402
 def fake_run(multi_turn: bool) -> dict:
     rows = [{"step": 0, "val/success": 0.2, "timestamp": 110.0}]
     for step in (1, 2):
-        r = {"step": step, "timestamp": 110.0 + 10 * step, "timing_s/gen": 4.0, "timing_s/env": 0.5,
-             "timing_s/logprob": 0.1, "timing_s/update": 3.0, "timing_s/step": 8.0, "response_length/mean": 20.0}
+        r = {
+            "step": step,
+            "timestamp": 110.0 + 10 * step,
+            "timing_s/gen": 4.0,
+            "timing_s/env": 0.5,
+            "timing_s/logprob": 0.1,
+            "timing_s/update": 3.0,
+            "timing_s/step": 8.0,
+            "response_length/mean": 20.0,
+        }
         if multi_turn:
             r["train/num_turns"] = 3.0
         rows.append(r)
@@ -31,8 +39,13 @@ def test_one_schema_for_every_task():
     single = harness.summarise(fake_run(False), "python starpo_bandit.py", 0.95, 180, (0.9, 0.95), judged=True)
     multi = harness.summarise(fake_run(True), "python starpo_sokoban.py", 0.4, 1200, (0.4, 0.6), judged=True)
     assert set(multi) - set(single) == {"val_random_success", "val_optimal_success"}  # logged by the grid tasks only
-    assert multi["eval_curve"][-1] == {"step": 2, "wall_s": 30.0, "val_success": 0.5, "val_random_success": 0.2,
-                                       "val_optimal_success": 0.9}
+    assert multi["eval_curve"][-1] == {
+        "step": 2,
+        "wall_s": 30.0,
+        "val_success": 0.5,
+        "val_random_success": 0.2,
+        "val_optimal_success": 0.9,
+    }
     assert multi["wall_s_before_training"] == 10.0 and multi["wall_s_to_val"] == {"0.4": 30.0, "0.6": None}
     assert multi["target_met"] and not single["target_met"]  # 0.5 >= 0.4 at 30 s; the bandit never reached 0.95
     assert multi["median_s_per_step_excl_eval"] == 8.0 and multi["median_s_breakdown"]["gen"] == 4.0
@@ -42,8 +55,12 @@ def test_one_schema_for_every_task():
 
 def test_every_benchmark_uses_the_harness_command_line():
     for task in ("bandit", "frozenlake", "sokoban"):
-        out = subprocess.run([sys.executable, str(ROOT / "bench" / f"{task}_cpu.py"), "--help"], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / f"{task}_cpu.py"), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0
         for flag in ("--warm-cache", "--steps", "--val-size", "--out", "--seed"):
             assert flag in out.stdout, (task, flag)
@@ -51,9 +68,25 @@ def test_every_benchmark_uses_the_harness_command_line():
 
 def test_a_short_bandit_benchmark_writes_the_schema(tmp_path):
     out = tmp_path / "b.json"
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "bandit_cpu.py"), "--warm-cache", "--steps", "2",
-                          "--val-size", "8", "--out", str(out), "--", "--eval-every", "1"], capture_output=True,
-                         text=True, timeout=900)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bandit_cpu.py"),
+            "--warm-cache",
+            "--steps",
+            "2",
+            "--val-size",
+            "8",
+            "--out",
+            str(out),
+            "--",
+            "--eval-every",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["steps"] == 2 and [c["step"] for c in result["eval_curve"]] == [0, 1, 2]

@@ -68,9 +68,29 @@ def test_copy_prompt_states_the_label_and_grid_prompt_does_not():
 
 def test_probe_runs_and_writes_its_result(tmp_path):
     out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tiny_probe.py"), "--tasks", "frozenlake", "--steps", "2",
-                           "--eval-every", "1", "--train-size", "16", "--test-size", "6", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ), cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "tiny_probe.py"),
+            "--tasks",
+            "frozenlake",
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--train-size",
+            "16",
+            "--test-size",
+            "6",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [(r["task"], r["prompt"]) for r in result["runs"]] == [("frozenlake", "grid"), ("frozenlake", "copy")]

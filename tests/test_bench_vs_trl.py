@@ -139,6 +139,9 @@ def test_matched_settings_build_a_grpo_config(tmp_path):
 
 def test_step_seconds_helpers():
     assert vs_trl.step_seconds_from_stamps([10.0, 12.5, 14.0], [12.0, 14.0, 15.5]) == [2.0, 2.0, 1.5]
-    rows = [{"step": 0, "val/success": 0.5}, {"step": 1, "timing_s/step": 1.5},
-            {"step": 2, "timing_s/step": 4.0, "timing_s/eval": 2.5}]
+    rows = [
+        {"step": 0, "val/success": 0.5},
+        {"step": 1, "timing_s/step": 1.5},
+        {"step": 2, "timing_s/step": 4.0, "timing_s/eval": 2.5},
+    ]
     assert vs_trl.median_step_seconds_starpo(rows) == [1.5, 1.5]

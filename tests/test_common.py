@@ -262,8 +262,13 @@ def test_worked_gae_single_turn():
 
 
 def test_worked_gae_multi_turn_mask():
-    A, _ = gae(torch.tensor([[0.0, 0.0, 0.0, 1.0]]), torch.tensor([[0.2, 9.9, 0.4, 0.5]]),
-               torch.tensor([[1.0, 0.0, 1.0, 1.0]]), gamma=1.0, lam=1.0)
+    A, _ = gae(
+        torch.tensor([[0.0, 0.0, 0.0, 1.0]]),
+        torch.tensor([[0.2, 9.9, 0.4, 0.5]]),
+        torch.tensor([[1.0, 0.0, 1.0, 1.0]]),
+        gamma=1.0,
+        lam=1.0,
+    )
     close(A, [[0.8, 0.6, 0.6, 0.5]])
 
 
@@ -311,8 +316,15 @@ def test_worked_policy_loss_per_token_via_sum_mode():
         assert loss_i.item() == pytest.approx(expected, abs=TOL)
 
 
-@pytest.mark.parametrize("mode,expected", [("token-mean", 2.5), ("seq-mean-token-sum", 5.0),
-                                           ("seq-mean-token-mean", 3.0), ("seq-mean-token-sum-norm", 3.333333)])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token-mean", 2.5),
+        ("seq-mean-token-sum", 5.0),
+        ("seq-mean-token-mean", 3.0),
+        ("seq-mean-token-sum-norm", 3.333333),
+    ],
+)
 def test_worked_agg(mode, expected):
     L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -430,7 +442,7 @@ def test_gae_multi_turn_random_vs_python():
     r = torch.zeros(B, T)
     for b in range(B):
         m[b, 0:3] = 1
-        m[b, 6:9 + b % 3] = 1
+        m[b, 6 : 9 + b % 3] = 1
         r[b, 8 + b % 3] = float(b) - 1.5
         r[b, 2] = -0.1
     v = torch.randn(B, T, generator=g)
@@ -480,8 +492,9 @@ def test_policy_loss_vs_python(shape, kind, mode, clips):
         old[-1, 2] = logp[-1, 2] + 30.0
     m = make_mask(*shape, kind, seed=901)
     loss, met = policy_loss(logp, old, adv, m, clip_low=clip_low, clip_high=clip_high, dual_clip=dual, agg=mode)
-    ref_loss, ref_cf, ref_cfl, ref_kl = py_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), m.tolist(),
-                                                       clip_low, clip_high, dual, mode)
+    ref_loss, ref_cf, ref_cfl, ref_kl = py_policy_loss(
+        logp.tolist(), old.tolist(), adv.tolist(), m.tolist(), clip_low, clip_high, dual, mode
+    )
     assert loss.item() == pytest.approx(ref_loss, rel=TOL, abs=TOL)
     assert met["pg_loss"] == pytest.approx(ref_loss, rel=TOL, abs=TOL)
     assert met["pg_clipfrac"] == pytest.approx(ref_cf, abs=TOL)
@@ -502,8 +515,9 @@ def test_policy_loss_dual_clip_on_vs_off():
     assert m_on["pg_clipfrac_lower"] > 0.0
     assert on.item() < off.item()
     for dual in (None, 3.0):
-        ref, _, ref_cfl, _ = py_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), m.tolist(), 0.2, 0.28, dual,
-                                            "seq-mean-token-sum")
+        ref, _, ref_cfl, _ = py_policy_loss(
+            logp.tolist(), old.tolist(), adv.tolist(), m.tolist(), 0.2, 0.28, dual, "seq-mean-token-sum"
+        )
         got, met = policy_loss(logp, old, adv, m, 0.2, 0.28, dual, "seq-mean-token-sum")
         assert got.item() == pytest.approx(ref, rel=TOL, abs=TOL)
         assert met["pg_clipfrac_lower"] == pytest.approx(ref_cfl, abs=TOL)
@@ -770,8 +784,9 @@ def test_policy_loss_all_zero_mask_is_finite():
 def test_policy_loss_log_ratio_clamped():
     logp, old = torch.tensor([[0.0, 0.0]]), torch.tensor([[-100.0, 100.0]])
     adv = torch.tensor([[-1.0, -1.0]])
-    loss, met = policy_loss(logp, old, adv, torch.ones(1, 2), clip_low=0.2, clip_high=0.2, dual_clip=None,
-                            agg="seq-mean-token-sum")
+    loss, met = policy_loss(
+        logp, old, adv, torch.ones(1, 2), clip_low=0.2, clip_high=0.2, dual_clip=None, agg="seq-mean-token-sum"
+    )
     assert math.isfinite(loss.item())
     # token 0: ratio e^20, A < 0 -> L1 = e^20; token 1: ratio e^-20 -> clipped to 0.8
     assert loss.item() == pytest.approx(math.exp(20) + 0.8, rel=1e-5)
@@ -876,8 +891,9 @@ def test_micro_batch_weight_accumulation_permuted_rows(mode):
     perm = torch.tensor([2, 0, 5, 1, 4, 3])
     L, m = L[perm], m[perm]
     whole = agg_loss(L, m, mode).item()
-    total = sum(micro_batch_weight(m[i : i + 1], m, mode) * agg_loss(L[i : i + 1], m[i : i + 1], mode).item()
-                for i in range(6))
+    total = sum(
+        micro_batch_weight(m[i : i + 1], m, mode) * agg_loss(L[i : i + 1], m[i : i + 1], mode).item() for i in range(6)
+    )
     assert total == pytest.approx(whole, rel=TOL, abs=TOL)
 
 
@@ -927,8 +943,9 @@ GRAD_CASES = [
 def test_policy_loss_gradient_single_token(a, rho, dual, flows):
     old = torch.tensor([[-2.0]])
     logp = (old + math.log(rho)).clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, old, torch.tensor([[a]]), torch.ones(1, 1), clip_low=0.2, clip_high=0.28,
-                          dual_clip=dual)
+    loss, _ = policy_loss(
+        logp, old, torch.tensor([[a]]), torch.ones(1, 1), clip_low=0.2, clip_high=0.28, dual_clip=dual
+    )
     loss.backward()
     grad = logp.grad.item()
     if flows:

@@ -12,14 +12,53 @@ import check_copies  # noqa: E402
 
 SCRIPTS = ["starpo_bandit.py", "starpo_frozenlake.py", "starpo_sokoban.py"]
 # The multi-turn core lives once, in starpo_sokoban.py; starpo_frozenlake.py carries it as marked copies.
-MULTI_TURN_CORE = {"Turn", "Trajectory", "rollout", "rollout_record", "context_ids", "Row", "training_rows",
-                   "place_rewards", "collate", "micro_view", "policy_forward", "Critic", "evaluate", "episode_stats",
-                   "reply_stats", "print_sample", "parse_actions", "main"}
+MULTI_TURN_CORE = {
+    "Turn",
+    "Trajectory",
+    "rollout",
+    "rollout_record",
+    "context_ids",
+    "Row",
+    "training_rows",
+    "place_rewards",
+    "collate",
+    "micro_view",
+    "policy_forward",
+    "Critic",
+    "evaluate",
+    "episode_stats",
+    "reply_stats",
+    "print_sample",
+    "parse_actions",
+    "tiny_warmup_examples",
+    "main",
+}
 # ... and what all three share lives once, in starpo_bandit.py.
-SHARED_BY_ALL = {"hf_generate", "top_p_filter", "cut_at_stop", "stop_token_ids", "vllm_engine", "vllm_engine_kwargs",
-                 "vllm_sampling_kwargs", "vllm_generate", "vllm_push_weights", "parse_reply", "_between",
-                 "echo_trap_warnings", "micro_batches", "common_checks", "resolve_run", "weighted_rubric", "score_turn",
-                 "old_logprobs", "ppo_update", "filter_stats", "FORMAT_RE", "format_reward", "ALGOS"}
+SHARED_BY_ALL = {
+    "hf_generate",
+    "top_p_filter",
+    "cut_at_stop",
+    "stop_token_ids",
+    "vllm_engine",
+    "vllm_engine_kwargs",
+    "vllm_sampling_kwargs",
+    "vllm_generate",
+    "vllm_push_weights",
+    "parse_reply",
+    "_between",
+    "echo_trap_warnings",
+    "micro_batches",
+    "common_checks",
+    "resolve_run",
+    "weighted_rubric",
+    "score_turn",
+    "old_logprobs",
+    "ppo_update",
+    "filter_stats",
+    "FORMAT_RE",
+    "format_reward",
+    "ALGOS",
+}
 
 
 def markers(script: str) -> dict[str, tuple]:
@@ -53,7 +92,7 @@ def test_a_changed_line_inside_a_copy_fails_naming_the_block_and_the_line(tmp_pa
     path.write_text(original.replace(old, "            t.mask += [1] * len(r_ids)  # edited\n"))
     (problem,) = check_copies.check(root)
     line = original[: original.index(old)].count("\n") + 1
-    assert problem.startswith(f"starpo_frozenlake.py:") and " rollout: differs from starpo_sokoban.rollout" in problem
+    assert problem.startswith("starpo_frozenlake.py:") and " rollout: differs from starpo_sokoban.rollout" in problem
     assert f"at line {line} " in problem and "# edited" in problem
     # the command line says so too (exit 1), and --fix puts the source's text back
     cmd = [sys.executable, str(ROOT / "tools" / "check_copies.py"), "--root", str(root)]
@@ -77,7 +116,9 @@ def test_bad_markers_and_unmarked_repetition_are_reported(tmp_path):
     root = copy_scripts(tmp_path)
     path = root / "starpo_sokoban.py"
     text = path.read_text()
-    path.write_text(text.replace("# Copied from starpo_bandit.micro_batches\n", "# Copied from starpo_bandit.no_such_block\n"))
+    path.write_text(
+        text.replace("# Copied from starpo_bandit.micro_batches\n", "# Copied from starpo_bandit.no_such_block\n")
+    )
     assert any("starpo_bandit.no_such_block, which does not exist" in p for p in check_copies.check(root))
     path.write_text(text.replace("# Copied from starpo_bandit.micro_batches\n", ""))  # the same code, unmarked
     assert any("micro_batches" in p and "identical but not marked" in p for p in check_copies.check(root))

@@ -36,13 +36,16 @@ def chi_square(counts: Counter, expected: dict, n: int) -> float:
     return sum((counts.get(k, 0) - p * n) ** 2 / (p * n) for k, p in expected.items())
 
 
-@pytest.mark.parametrize("desc,action,expected", [
-    # from (1, 1): the chosen direction and the two perpendicular ones, 1/3 each (gymnasium's rule)
-    (OPEN_4X4, "Down", {(2, 1): 1 / 3, (1, 0): 1 / 3, (1, 2): 1 / 3}),
-    (OPEN_4X4, "Left", {(1, 0): 1 / 3, (0, 1): 1 / 3, (2, 1): 1 / 3}),
-    # from the corner (0, 0): Up and its perpendicular Left bump into the border (stay), Right moves
-    (["SFFF", "FFFF", "FFFF", "FFFG"], "Up", {(0, 0): 2 / 3, (0, 1): 1 / 3}),
-])
+@pytest.mark.parametrize(
+    "desc,action,expected",
+    [
+        # from (1, 1): the chosen direction and the two perpendicular ones, 1/3 each (gymnasium's rule)
+        (OPEN_4X4, "Down", {(2, 1): 1 / 3, (1, 0): 1 / 3, (1, 2): 1 / 3}),
+        (OPEN_4X4, "Left", {(1, 0): 1 / 3, (0, 1): 1 / 3, (2, 1): 1 / 3}),
+        # from the corner (0, 0): Up and its perpendicular Left bump into the border (stay), Right moves
+        (["SFFF", "FFFF", "FFFF", "FFFG"], "Up", {(0, 0): 2 / 3, (0, 1): 1 / 3}),
+    ],
+)
 def test_slippery_transition_statistics(desc, action, expected):
     """Chi-square goodness of fit over 3000 seeded episodes; 13.8 is the 0.1% critical value with 2 degrees of freedom
     (10.8 with 1). The draws are seeded, so the test is deterministic."""
@@ -140,27 +143,37 @@ def test_termination_rewards_validity_and_effectiveness():
 # ---- parsing ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("answer,actions,invalid", [
-    ("Left || Down", ["Left", "Down"], False),
-    (" up||RIGHT ||  down ", ["Up", "Right", "Down"], False),
-    ("Left || Jump || Down", ["Left", "Down"], True),  # the bad word is dropped, the turn is flagged
-    ("Left ||", ["Left"], True),  # an empty piece is not a move
-    ("go left", [], True),
-    ("", [], True),
-    (None, [], True),  # no <answer> at all
-    ("Left || Left || Left || Left || Left || Left || Left", ["Left"] * 5, False),  # beyond 5: discarded, no penalty
-    ("Left Down", [], True),  # the separator is ||
-])
+@pytest.mark.parametrize(
+    "answer,actions,invalid",
+    [
+        ("Left || Down", ["Left", "Down"], False),
+        (" up||RIGHT ||  down ", ["Up", "Right", "Down"], False),
+        ("Left || Jump || Down", ["Left", "Down"], True),  # the bad word is dropped, the turn is flagged
+        ("Left ||", ["Left"], True),  # an empty piece is not a move
+        ("go left", [], True),
+        ("", [], True),
+        (None, [], True),  # no <answer> at all
+        (
+            "Left || Left || Left || Left || Left || Left || Left",
+            ["Left"] * 5,
+            False,
+        ),  # beyond 5: discarded, no penalty
+        ("Left Down", [], True),  # the separator is ||
+    ],
+)
 def test_parse_actions(answer, actions, invalid):
     assert fl.parse_actions(answer, 5) == (actions, invalid)
 
 
-@pytest.mark.parametrize("text,think,answer", [
-    ("<think> go </think> <answer> Left || Up </answer>", "go", "Left || Up"),
-    ("<answer>Down</answer>", None, "Down"),
-    ("<think>x</think><answer>Down</answer><answer>Up</answer>", "x", None),
-    ("", None, None),
-])
+@pytest.mark.parametrize(
+    "text,think,answer",
+    [
+        ("<think> go </think> <answer> Left || Up </answer>", "go", "Left || Up"),
+        ("<answer>Down</answer>", None, "Down"),
+        ("<think>x</think><answer>Down</answer><answer>Up</answer>", "x", None),
+        ("", None, None),
+    ],
+)
 def test_parse_reply(text, think, answer):
     assert fl.parse_reply(text) == (think, answer)
 
@@ -216,7 +229,9 @@ def test_moves_beyond_the_budget_are_discarded():
     assert [turn.actions for turn in t.turns] == [["Down", "Down"], ["Right"]]
     assert len(calls) == 2 and not t.turns[1].had_invalid  # the budget is not a format error
     # moves beyond --max-actions-per-turn are discarded too
-    t, _ = play(["Down || Down || Right || Right || Up || Up"], OPEN_4X4, "--max-actions-per-turn", "3", "--max-turns", "1")
+    t, _ = play(
+        ["Down || Down || Right || Right || Up || Up"], OPEN_4X4, "--max-actions-per-turn", "3", "--max-turns", "1"
+    )
     assert t.turns[0].actions == ["Down", "Down", "Right"]
 
 
@@ -261,7 +276,12 @@ def test_max_context_turns_shows_first_prompt_and_last_k_turns():
     _, calls = play(["Up", "Up", "Up", "Up"], OPEN_4X4, "--max-turns", "4", "--max-context-turns", "1")
     tok = FakeTok()
     prompts = [tok.decode(c[0]) for c in calls]
-    assert "Turn 1:" in prompts[3] and "Turn 4:" in prompts[3] and "Turn 2:" not in prompts[3] and "Turn 3:" not in prompts[3]
+    assert (
+        "Turn 1:" in prompts[3]
+        and "Turn 4:" in prompts[3]
+        and "Turn 2:" not in prompts[3]
+        and "Turn 3:" not in prompts[3]
+    )
     assert prompts[3].count("<|im_start|>assistant") == 2  # the first prompt's header (+ the last reply), the new one
     assert "Turn 1:" in prompts[2] and "Turn 3:" in prompts[2] and "Turn 2:" not in prompts[2]
     assert "Turn 1:" in prompts[1] and "Turn 2:" in prompts[1]
@@ -387,8 +407,10 @@ def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(args_for()), **fl.TINY_BUILD)
-    return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).eval(),
-            AutoTokenizer.from_pretrained(path, trust_remote_code=False))
+    return (
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).eval(),
+        AutoTokenizer.from_pretrained(path, trust_remote_code=False),
+    )
 
 
 def recorded_rollout(tiny, flags, n=6, temperature=0.8):
@@ -403,7 +425,9 @@ def recorded_rollout(tiny, flags, n=6, temperature=0.8):
         return out
 
     torch.manual_seed(0)
-    trajs = run_on(["SFFF", "FFFF", "FFFF", "FFFG"], generate, tok, args, seeds=range(n), temperature=temperature, slippery=True)
+    trajs = run_on(
+        ["SFFF", "FFFF", "FFFF", "FFFG"], generate, tok, args, seeds=range(n), temperature=temperature, slippery=True
+    )
     return args, trajs, record
 
 
@@ -412,6 +436,7 @@ def test_mask_covers_exactly_the_sampled_tokens(tiny):
     args, trajs, record = recorded_rollout(tiny, [])
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert max(len(t.turns) for t in trajs) == 3
+
     def slot(j, i):  # position of trajectory i in turn j's batched generate call (the episodes still running)
         return [k for k, tt in enumerate(trajs) if len(tt.turns) > j].index(i)
 
@@ -477,7 +502,9 @@ def test_update_logprobs_match_generation_and_observations_get_no_gradient(tiny,
         pg, _ = common.policy_loss(lp, o, a, mask, 0.2, 0.28, 3.0)
         vf, _ = common.value_loss(critic(mb), torch.zeros_like(ret), ret, mask, 0.5)
         (pg - 0.01 * common.agg_loss(ent, mask) + vf).backward()
-        return torch.cat([p.grad.flatten() for p in list(model.parameters()) + list(critic.parameters()) if p.grad is not None])
+        return torch.cat(
+            [p.grad.flatten() for p in list(model.parameters()) + list(critic.parameters()) if p.grad is not None]
+        )
 
     clean = grads(adv, old, returns)
     junk = ~mask
@@ -504,8 +531,20 @@ def test_tiny_warmup_is_random_and_format_correct():
 
 # ---- flags and whole-script runs ---------------------------------------------------------------------------------
 
-SMALL = ["--val-size", "6", "--n-groups", "2", "--group-size", "3", "--eval-every", "1", "--sample-every", "1",
-         "--log-rollouts-every", "1"]
+SMALL = [
+    "--val-size",
+    "6",
+    "--n-groups",
+    "2",
+    "--group-size",
+    "3",
+    "--eval-every",
+    "1",
+    "--sample-every",
+    "1",
+    "--log-rollouts-every",
+    "1",
+]
 
 
 def run_script(*flags, timeout=600):
@@ -516,16 +555,19 @@ def read(path):
     return [json.loads(line) for line in open(path)]
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--max-context-turns", "0"], "--max-context-turns"),
-    (["--max-turns", "0"], "--max-turns"),
-    (["--max-actions-per-turn", "0"], "--max-actions-per-turn"),
-    (["--max-actions-per-traj", "0"], "--max-actions-per-traj"),
-    (["--frozen-prob", "1.5"], "--frozen-prob"),
-    (["--estimator", "ppo"], "--estimator"),
-    (["--keep-checkpoints", "0"], "--keep-checkpoints"),
-    (["--resume"], "--resume"),  # nothing to resume in an empty folder
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--max-context-turns", "0"], "--max-context-turns"),
+        (["--max-turns", "0"], "--max-turns"),
+        (["--max-actions-per-turn", "0"], "--max-actions-per-turn"),
+        (["--max-actions-per-traj", "0"], "--max-actions-per-traj"),
+        (["--frozen-prob", "1.5"], "--frozen-prob"),
+        (["--estimator", "ppo"], "--estimator"),
+        (["--keep-checkpoints", "0"], "--keep-checkpoints"),
+        (["--resume"], "--resume"),  # nothing to resume in an empty folder
+    ],
+)
 def test_bad_flags_fail_fast_with_one_line(flags, needle, tmp_path):
     out = tmp_path / "run"
     r = run_script(*flags, "--output-dir", str(out), timeout=120)
@@ -536,15 +578,47 @@ def test_bad_flags_fail_fast_with_one_line(flags, needle, tmp_path):
 
 
 EXPECTED_KEYS = {
-    "train/success", "train/reward", "train/action_is_valid", "train/action_is_effective", "train/num_actions",
-    "train/num_turns", "train/context_overflow", "rollout/in_group_std", "rollout/chosen_in_group_std",
-    "rollout/zero_std_frac", "rollout/kept_groups", "rollout/truncated_frac", "actor/pg_loss", "actor/pg_clipfrac",
-    "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/skipped_updates", "response_length/mean",
-    "think_length/mean", "rubric/env_reward", "rubric/format_penalty", "rubric/format_reward", "timing_s/gen",
-    "timing_s/env", "timing_s/logprob", "timing_s/update", "timing_s/step", "time_s", "timestamp",
+    "train/success",
+    "train/reward",
+    "train/action_is_valid",
+    "train/action_is_effective",
+    "train/num_actions",
+    "train/num_turns",
+    "train/context_overflow",
+    "rollout/in_group_std",
+    "rollout/chosen_in_group_std",
+    "rollout/zero_std_frac",
+    "rollout/kept_groups",
+    "rollout/truncated_frac",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/skipped_updates",
+    "response_length/mean",
+    "think_length/mean",
+    "rubric/env_reward",
+    "rubric/format_penalty",
+    "rubric/format_reward",
+    "timing_s/gen",
+    "timing_s/env",
+    "timing_s/logprob",
+    "timing_s/update",
+    "timing_s/step",
+    "time_s",
+    "timestamp",
 }
-VAL_KEYS = {"val/success", "val/reward", "val/random_success", "val/optimal_success", "val/action_is_valid",
-            "val/action_is_effective", "val/num_actions", "val/num_turns"}
+VAL_KEYS = {
+    "val/success",
+    "val/reward",
+    "val/random_success",
+    "val/optimal_success",
+    "val/action_is_valid",
+    "val/action_is_effective",
+    "val/num_actions",
+    "val/num_turns",
+}
 
 
 @pytest.fixture(scope="module")
@@ -583,7 +657,9 @@ def test_smoke_two_steps_writes_every_output(gae_run):
 def test_existing_run_needs_resume_or_overwrite(gae_run):
     out, _ = gae_run
     r = run_script("--steps", "1", "--output-dir", str(out), timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--resume" in r.stderr and "--overwrite" in r.stderr
+    assert (
+        r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--resume" in r.stderr and "--overwrite" in r.stderr
+    )
     r = run_script("--resume", "--overwrite", "--output-dir", str(out), timeout=120)
     assert r.returncode == 2 and "--overwrite" in r.stderr
 
@@ -603,7 +679,9 @@ def test_resume_continues_where_the_checkpoint_left_off(gae_run, tmp_path):
 
 
 def test_smoke_grpo_with_kl_and_one_row_per_turn(tmp_path):
-    r = run_script(*SMALL, "--steps", "2", "--algo", "starpo", "--max-context-turns", "1", "--output-dir", str(tmp_path))
+    r = run_script(
+        *SMALL, "--steps", "2", "--algo", "starpo", "--max-context-turns", "1", "--output-dir", str(tmp_path)
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2]
@@ -619,11 +697,27 @@ IN_PROCESS = ["--val-size", "2", "--n-groups", "2", "--group-size", "4", "--eval
 
 
 def weights_after(tmp_path, *flags):
-    fl.main([*IN_PROCESS, "--output-dir", str(tmp_path), "--steps", "1", "--weight-decay", "0", "--entropy-coef", "0",
-             "--keep-ratio", "1", *flags])
+    fl.main(
+        [
+            *IN_PROCESS,
+            "--output-dir",
+            str(tmp_path),
+            "--steps",
+            "1",
+            "--weight-decay",
+            "0",
+            "--entropy-coef",
+            "0",
+            "--keep-ratio",
+            "1",
+            *flags,
+        ]
+    )
     from transformers import AutoModelForCausalLM
 
-    init = AutoModelForCausalLM.from_pretrained(json.loads((tmp_path / "config.json").read_text())["model_path"], trust_remote_code=False)
+    init = AutoModelForCausalLM.from_pretrained(
+        json.loads((tmp_path / "config.json").read_text())["model_path"], trust_remote_code=False
+    )
     saved = AutoModelForCausalLM.from_pretrained(common.latest_checkpoint(tmp_path) / "policy", trust_remote_code=False)
     return [torch.equal(a, b) for a, b in zip(init.state_dict().values(), saved.state_dict().values())]
 
@@ -631,6 +725,7 @@ def weights_after(tmp_path, *flags):
 def test_mask_truncated_means_cut_replies_are_not_trained(tmp_path, monkeypatch):
     """--max-tokens 6 cuts every reply: with --mask-truncated nothing is trained (weights unchanged), without it the
     cut replies are trained like any other. (A rubric hashing the text gives them distinct rewards: a signal.)"""
+
     def text_hash(t):
         return float(sum(map(ord, t.text)) % 7)
 
@@ -660,7 +755,20 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
 @pytest.mark.parametrize("window", [[], ["--max-context-turns", "1"]])
 def test_context_overflow_ends_episodes_cleanly(tmp_path, window):
     """No first prompt fits (--max-model-len 150): no turn is played, nothing is trained, and nothing crashes."""
-    fl.main([*IN_PROCESS, "--output-dir", str(tmp_path), "--steps", "1", "--max-model-len", "150", "--max-tokens", "8", *window])
+    fl.main(
+        [
+            *IN_PROCESS,
+            "--output-dir",
+            str(tmp_path),
+            "--steps",
+            "1",
+            "--max-model-len",
+            "150",
+            "--max-tokens",
+            "8",
+            *window,
+        ]
+    )
     rows = read(tmp_path / "metrics.jsonl")
     assert rows[1]["train/context_overflow"] == 8 and rows[1]["train/num_turns"] == 0 and rows[0]["val/success"] == 0
     assert math.isfinite(rows[1]["actor/pg_loss"]) and rows[1]["actor/skipped_updates"] == 0

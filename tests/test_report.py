@@ -35,36 +35,75 @@ def env_states() -> dict:
     lake_obs = lake.reset(0)
     arms = sb.BanditEnv()
     arms_obs = arms.reset(0)
-    return {"sokoban": (room_obs, room.describe()), "frozenlake": (lake_obs, lake.describe()),
-            "bandit": (arms_obs, arms.describe())}
+    return {
+        "sokoban": (room_obs, room.describe()),
+        "frozenlake": (lake_obs, lake.describe()),
+        "bandit": (arms_obs, arms.describe()),
+    }
 
 
 STATES = env_states()
 SOKOBAN_STATE = STATES["sokoban"][0]
-BASE_CHARTS = ["Success", "Reward", "In-group reward std", "Entropy", "Gradient norm", "Response and think length",
-               "Clip fractions"]
+BASE_CHARTS = [
+    "Success",
+    "Reward",
+    "In-group reward std",
+    "Entropy",
+    "Gradient norm",
+    "Response and think length",
+    "Clip fractions",
+]
 
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def make_run(run_dir, task="sokoban", steps=6, eval_every=2, baselines=True, warn_at=(), rubric=("env", "format"),
-             text="<think> go down </think> <answer> Down </answer>", rollouts=True, config=True):
+def make_run(
+    run_dir,
+    task="sokoban",
+    steps=6,
+    eval_every=2,
+    baselines=True,
+    warn_at=(),
+    rubric=("env", "format"),
+    text="<think> go down </think> <answer> Down </answer>",
+    rollouts=True,
+    config=True,
+):
     """A run directory shaped like the scripts' output: config.json, metrics.jsonl, rollouts.jsonl."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if config:
-        config = dict(algo="starpo-s", estimator="gae", model="tiny", steps=steps, n_groups=2, group_size=4, lr=1e-4,
-                      high_arm_name="Dragon")
+        config = dict(
+            algo="starpo-s",
+            estimator="gae",
+            model="tiny",
+            steps=steps,
+            n_groups=2,
+            group_size=4,
+            lr=1e-4,
+            high_arm_name="Dragon",
+        )
         (run_dir / "config.json").write_text(json.dumps(config))
     metrics = []
     for step in range(steps + 1):
         m = {"step": step, "time_s": 3.0 * step}
         if step:
-            m.update({"train/success": step / (steps + 1), "train/reward": 0.1 * step, "rollout/in_group_std": 0.3,
-                      "rollout/chosen_in_group_std": 0.5, "actor/entropy": 1.0 - 0.1 * step, "actor/grad_norm": 1.0,
-                      "response_length/mean": 20.0, "think_length/mean": 40.0, "actor/pg_clipfrac": 0.01,
-                      "actor/pg_clipfrac_lower": 0.0, **{f"rubric/{r}": 0.5 for r in rubric}})
+            m.update(
+                {
+                    "train/success": step / (steps + 1),
+                    "train/reward": 0.1 * step,
+                    "rollout/in_group_std": 0.3,
+                    "rollout/chosen_in_group_std": 0.5,
+                    "actor/entropy": 1.0 - 0.1 * step,
+                    "actor/grad_norm": 1.0,
+                    "response_length/mean": 20.0,
+                    "think_length/mean": 40.0,
+                    "actor/pg_clipfrac": 0.01,
+                    "actor/pg_clipfrac_lower": 0.0,
+                    **{f"rubric/{r}": 0.5 for r in rubric},
+                }
+            )
         if step in warn_at:
             m["warn/echo_trap"] = 1
         if step % eval_every == 0 or step == steps:
@@ -78,10 +117,30 @@ def make_run(run_dir, task="sokoban", steps=6, eval_every=2, baselines=True, war
         for step in range(0, steps + 1, eval_every):
             for i in range(3):
                 state, view = STATES[task]
-                turn = dict(state=state, view=view, text=text, think="go down", answer="Down", actions=["Down"],
-                            env_reward=-0.1, score=-0.1, rubric={r: 0.5 for r in rubric})
-                rows.append(dict(step=step, split="val", task=task, seed=100 + i, success=i == 0, score=1.0 - i,
-                                 env_reward=1.0 - i, turns=[turn, turn], final_view=None if task == "bandit" else view))
+                turn = dict(
+                    state=state,
+                    view=view,
+                    text=text,
+                    think="go down",
+                    answer="Down",
+                    actions=["Down"],
+                    env_reward=-0.1,
+                    score=-0.1,
+                    rubric={r: 0.5 for r in rubric},
+                )
+                rows.append(
+                    dict(
+                        step=step,
+                        split="val",
+                        task=task,
+                        seed=100 + i,
+                        success=i == 0,
+                        score=1.0 - i,
+                        env_reward=1.0 - i,
+                        turns=[turn, turn],
+                        final_view=None if task == "bandit" else view,
+                    )
+                )
         write_jsonl(run_dir / "rollouts.jsonl", rows)
     return run_dir
 
@@ -205,14 +264,26 @@ def test_broken_last_line_and_repeated_steps(tmp_path):
     assert "0.050 (step 6)" in page and "6 of 6" in page and "0:01:39" in page  # the later lines won
     assert "0.600 (step 4)" in page  # ... and the earlier steps are still there (best val/success)
     assert figure(page, "Success").count("train step 5: 0<") == 1
-    assert [(r["step"], r["seed"]) for r in embedded_data(page)["rollouts"]] == [(0, 100), (0, 101), (0, 102), (2, 100),
-                                                                                (2, 101), (2, 102), (4, 4), (6, 6)]
+    assert [(r["step"], r["seed"]) for r in embedded_data(page)["rollouts"]] == [
+        (0, 100),
+        (0, 101),
+        (0, 102),
+        (2, 100),
+        (2, 101),
+        (2, 102),
+        (4, 4),
+        (6, 6),
+    ]
 
 
 def test_viewer_caps_rollouts_and_keeps_first_and_last_step(tmp_path):
     run = make_run(tmp_path / "run", rollouts=False)
-    rows = [dict(step=s, split=sp, task="sokoban", seed=i, success=False, score=0.0, turns=[])
-            for s in range(0, 100, 2) for sp in ("train", "val") for i in range(64)]
+    rows = [
+        dict(step=s, split=sp, task="sokoban", seed=i, success=False, score=0.0, turns=[])
+        for s in range(0, 100, 2)
+        for sp in ("train", "val")
+        for i in range(64)
+    ]
     write_jsonl(run / "rollouts.jsonl", rows)
     kept = embedded_data(build(run))["rollouts"]
     for split in ("train", "val"):
@@ -275,7 +346,9 @@ def test_page_is_offline_and_csp_matches_the_script(tmp_path):
 # ---- grids, arms, atomic write, command line --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("task,shape,symbol,name", [("sokoban", (6, 6), "#", "wall"), ("frozenlake", (4, 4), "O", "hole")])
+@pytest.mark.parametrize(
+    "task,shape,symbol,name", [("sokoban", (6, 6), "#", "wall"), ("frozenlake", (4, 4), "O", "hole")]
+)
 def test_grid_comes_from_the_environments_own_view(task, shape, symbol, name):
     grid = report.grid_of(STATES[task][1])
     assert (len(grid["rows"]), len(grid["rows"][0])) == shape and grid["legend"][symbol] == name
@@ -330,8 +403,8 @@ def read_png(path) -> np.ndarray:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat = 8, []
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        chunk, pos = data[pos + 8:pos + 8 + length], pos + 12 + length
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        chunk, pos = data[pos + 8 : pos + 8 + length], pos + 12 + length
         if kind == b"IHDR":
             w, h, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", chunk)
             assert depth == 8 and colour in (2, 6) and interlace == 0, "unsupported PNG"
@@ -372,20 +445,27 @@ def test_read_png_undoes_every_filter(tmp_path):
         left = np.concatenate([[0, 0, 0], cur[:-3]])
         upleft = np.concatenate([[0, 0, 0], prev[:-3]])
         p = left + prev - upleft
-        paeth = np.where((abs(p - left) <= abs(p - prev)) & (abs(p - left) <= abs(p - upleft)), left,
-                         np.where(abs(p - prev) <= abs(p - upleft), prev, upleft))
+        paeth = np.where(
+            (abs(p - left) <= abs(p - prev)) & (abs(p - left) <= abs(p - upleft)),
+            left,
+            np.where(abs(p - prev) <= abs(p - upleft), prev, upleft),
+        )
         pred = [0, left, prev, (left + prev) // 2, paeth][kind]
         rows.append(bytes([kind]) + bytes(((cur - pred) % 256).tolist()))
         prev = cur
     chunk = lambda kind, body: struct.pack(">I", len(body)) + kind + body + b"\0\0\0\0"  # noqa: E731 (CRC unchecked)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 7, 10, 8, 2, 0, 0, 0)) + \
-        chunk(b"IDAT", zlib.compress(b"".join(rows))) + chunk(b"IEND", b"")
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", 7, 10, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"".join(rows)))
+        + chunk(b"IEND", b"")
+    )
     (tmp_path / "roundtrip.png").write_bytes(png)
     assert (read_png(tmp_path / "roundtrip.png") == img).all()
 
 
 def pixels_of(img: np.ndarray, hex_colour: str, tol: int = 6) -> int:
-    rgb = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)])
+    rgb = np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)])
     return int((np.abs(img[..., :3].astype(int) - rgb) <= tol).all(-1).sum())
 
 
@@ -399,10 +479,21 @@ def open_in_chromium(page: Path, tmp_path: Path, height: int = 2400) -> tuple[st
     chromium = find_chromium()
     if chromium is None:
         pytest.skip("no Chromium: install Debian's `chromium` package (apt-get install -y chromium; .ci/run does)")
-    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'chromium-profile'}", "--enable-logging=stderr", "--v=0",
-             f"--window-size=1400,{height}"]
+    flags = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        f"--window-size=1400,{height}",
+    ]
     url = page.resolve().as_uri()
     dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120)
     png = tmp_path / "screenshot.png"
@@ -434,8 +525,24 @@ def test_browser_tiny_bandit_run(tmp_path):
     if find_chromium() is None:
         pytest.skip("no Chromium: install Debian's `chromium` package (apt-get install -y chromium; .ci/run does)")
     run = tmp_path / "bandit"
-    cmd = [sys.executable, str(ROOT / "starpo_bandit.py"), "--steps", "2", "--eval-every", "1", "--val-size", "8",
-           "--n-groups", "2", "--group-size", "4", "--sample-every", "0", "--output-dir", str(run)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "starpo_bandit.py"),
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--val-size",
+        "8",
+        "--n-groups",
+        "2",
+        "--group-size",
+        "4",
+        "--sample-every",
+        "0",
+        "--output-dir",
+        str(run),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     dom, img = open_in_chromium(report.build_report(run), tmp_path)

@@ -33,11 +33,14 @@ def test_push_moves_the_box_and_the_player():
     assert rows(env)[1] == "#__PXO#" and r2 == pytest.approx(-0.1)
 
 
-@pytest.mark.parametrize("grid,action", [
-    ("#######\n#_PX#O#\n#######", "Right"),  # box against a wall
-    ("########\n#PXX_OO#\n########", "Right"),  # box against a second box
-    ("#####\n#P_O#\n#X__#\n#####", "Up"),  # walking into a wall
-])
+@pytest.mark.parametrize(
+    "grid,action",
+    [
+        ("#######\n#_PX#O#\n#######", "Right"),  # box against a wall
+        ("########\n#PXX_OO#\n########", "Right"),  # box against a second box
+        ("#####\n#P_O#\n#X__#\n#####", "Up"),  # walking into a wall
+    ],
+)
 def test_blocked_moves_change_nothing_but_cost_a_step(grid, action):
     env = room(grid)
     before = env.render()
@@ -78,7 +81,10 @@ def test_rendering_symbols():
 
 def test_observation_adds_coordinates_unless_turned_off():
     env = room("######\n#PXO_#\n#____#\n######")
-    assert env.observation() == env.render() + "\nPlayer at row 1, column 1. Box at row 1, column 2. Target at row 1, column 3."
+    assert (
+        env.observation()
+        == env.render() + "\nPlayer at row 1, column 1. Box at row 1, column 2. Target at row 1, column 3."
+    )
     env.positions = False
     assert env.observation() == env.render()
     two = ss.SokobanEnv(size=8, num_boxes=2)
@@ -159,15 +165,18 @@ def test_random_success_estimate_matches_reference():
 # ---- solver ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("grid,length", [
-    ("#####\n#PXO#\n#####", 1),
-    ("########\n#P__XO_#\n########", 3),
-    ("######\n#__O_#\n#_X__#\n#P___#\n######", 5),  # two pushes at a right angle
-    ("######\n#PXO_#\n#_XO_#\n######", 4),  # two boxes: push, walk round, push
-    ("#####\n#√P_#\n#####", 0),  # already solved
-    ("#####\n#X_O#\n#P__#\n#####", None),  # box in a corner: dead
-    ("######\n#P_X_#\n#_#O_#\n######", None),  # box against the top wall, target below it: dead
-])
+@pytest.mark.parametrize(
+    "grid,length",
+    [
+        ("#####\n#PXO#\n#####", 1),
+        ("########\n#P__XO_#\n########", 3),
+        ("######\n#__O_#\n#_X__#\n#P___#\n######", 5),  # two pushes at a right angle
+        ("######\n#PXO_#\n#_XO_#\n######", 4),  # two boxes: push, walk round, push
+        ("#####\n#√P_#\n#####", 0),  # already solved
+        ("#####\n#X_O#\n#P__#\n#####", None),  # box in a corner: dead
+        ("######\n#P_X_#\n#_#O_#\n######", None),  # box against the top wall, target below it: dead
+    ],
+)
 def test_solver_on_hand_built_rooms(grid, length):
     path = ss.solve(room(grid))
     assert (None if path is None else len(path)) == length
@@ -196,27 +205,33 @@ def test_solver_is_optimal_against_brute_force():
 # ---- parsing -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("answer,actions,invalid", [
-    ("Up", ["Up"], False),
-    ("up || LEFT||  down ", ["Up", "Left", "Down"], False),
-    ("Up || Jump || Left", ["Up", "Left"], True),  # the bad word is dropped, the turn is flagged
-    ("Up ||", ["Up"], True),  # an empty word is not a move
-    ("", [], True),
-    ("Jump", [], True),
-    (None, [], True),  # no <answer> at all
-    ("Up || Up || Up || Up || Up || Up || Up", ["Up"] * 5, False),  # at most max_actions per turn
-    ("Up Left", [], True),  # words must be separated by ||
-])
+@pytest.mark.parametrize(
+    "answer,actions,invalid",
+    [
+        ("Up", ["Up"], False),
+        ("up || LEFT||  down ", ["Up", "Left", "Down"], False),
+        ("Up || Jump || Left", ["Up", "Left"], True),  # the bad word is dropped, the turn is flagged
+        ("Up ||", ["Up"], True),  # an empty word is not a move
+        ("", [], True),
+        ("Jump", [], True),
+        (None, [], True),  # no <answer> at all
+        ("Up || Up || Up || Up || Up || Up || Up", ["Up"] * 5, False),  # at most max_actions per turn
+        ("Up Left", [], True),  # words must be separated by ||
+    ],
+)
 def test_parse_actions(answer, actions, invalid):
     assert ss.parse_actions(answer, 5) == (actions, invalid)
 
 
-@pytest.mark.parametrize("text,think,answer", [
-    ("<think> go </think> <answer> Up || Left </answer>", "go", "Up || Left"),
-    ("<answer>Down</answer>", None, "Down"),
-    ("<think>x</think><answer>Up</answer><answer>Down</answer>", "x", None),
-    ("", None, None),
-])
+@pytest.mark.parametrize(
+    "text,think,answer",
+    [
+        ("<think> go </think> <answer> Up || Left </answer>", "go", "Up || Left"),
+        ("<answer>Down</answer>", None, "Down"),
+        ("<think>x</think><answer>Up</answer><answer>Down</answer>", "x", None),
+        ("", None, None),
+    ],
+)
 def test_parse_reply(text, think, answer):
     assert ss.parse_reply(text) == (think, answer)
 
@@ -298,8 +313,9 @@ def test_reward_on_the_last_allowed_action_counts(tiny):
     seed = next(s for s in range(200) if env.reset(s) and len(ss.solve(env)) % 2 == 0)
     path = ss.solve(env)
     back = {"Up": "Down", "Down": "Up", "Left": "Right", "Right": "Left"}
-    free = next(m for m, (dr, dc) in ss.ACTIONS.items()
-                if (env.player[0] + dr, env.player[1] + dc) in env.floor - env.boxes)
+    free = next(
+        m for m, (dr, dc) in ss.ACTIONS.items() if (env.player[0] + dr, env.player[1] + dc) in env.floor - env.boxes
+    )
     moves = [free, back[free]] * ((10 - len(path)) // 2) + path  # walk away and back, then solve on move 10
     traj, _, _ = run_scripted(tok, seed, [reply(*moves[:5]), reply(*moves[5:])])
     assert traj.num_actions == 10 and traj.success and len(traj.turns) == 2
@@ -320,10 +336,14 @@ def test_token_accounting_matches_the_chat_format(tiny):
         messages.append({"role": "assistant", "content": turn.text})
         left -= len(turn.actions)
         if j + 1 < len(traj.turns):
-            messages.append({"role": "user", "content": ss.feedback_message(turn.reward, j + 2, traj.turns[j + 1].state, left)})
+            messages.append(
+                {"role": "user", "content": ss.feedback_message(turn.reward, j + 2, traj.turns[j + 1].state, left)}
+            )
     assert tok.decode(traj.ids) + "\n" == tok.apply_chat_template(messages, tokenize=False)
     # mask: exactly the sampled tokens (the model's own <|im_end|> included, the one appended after a cut excluded)
-    sampled = [len(tok(t.rstrip("~"), add_special_tokens=False)["input_ids"]) + (0 if t.endswith("~") else 1) for t in turns]
+    sampled = [
+        len(tok(t.rstrip("~"), add_special_tokens=False)["input_ids"]) + (0 if t.endswith("~") else 1) for t in turns
+    ]
     assert sum(traj.mask) == sum(sampled) and len(traj.ids) == len(traj.mask) == len(traj.gen_logprobs)
     for j, (start, last) in enumerate(zip(traj.turn_start, traj.turn_last_index)):
         assert last - start + 1 == sampled[j] and all(traj.mask[start : last + 1])
@@ -339,7 +359,9 @@ def test_token_accounting_matches_the_chat_format(tiny):
 def test_max_context_turns_prompts_and_rows(tiny):
     _, tok = tiny
     turns = [reply("Up"), reply("Left"), reply("Down"), reply("Right")]
-    traj, log, _ = run_scripted(tok, unsolved_seed(["Up", "Left", "Down", "Right"]), turns, max_context_turns=1, max_turns=4)
+    traj, log, _ = run_scripted(
+        tok, unsolved_seed(["Up", "Left", "Down", "Right"]), turns, max_context_turns=1, max_turns=4
+    )
     first = traj.ids[: traj.first_len]
     assert log[0][0] == first
     for j in range(1, len(log)):  # first prompt + the previous turn (its reply and the feedback) only
@@ -354,7 +376,9 @@ def test_max_context_turns_prompts_and_rows(tiny):
 
 def test_place_rewards_full_history_and_per_turn(tiny):
     _, tok = tiny
-    traj, _, _ = run_scripted(tok, unsolved_seed(["Up", "Left"]), [reply("Jump"), reply("Up"), reply("Left")], max_turns=3)
+    traj, _, _ = run_scripted(
+        tok, unsolved_seed(["Up", "Left"]), [reply("Jump"), reply("Up"), reply("Left")], max_turns=3
+    )
     r = [t.reward for t in traj.turns]
     full = ss.training_rows([traj], None)
     tr = ss.place_rewards(full, [traj], len(traj.ids) - 1, turn_rewards=True)
@@ -410,21 +434,24 @@ def test_bad_flag_fails_in_one_line_from_the_command_line(tmp_path):
     assert r.stderr.startswith("error: --max-context-turns") and not out.exists()
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--estimator", "grpo", "--group-size", "1"], "--group-size"),
-    (["--max-context-turns", "0"], "--max-context-turns"),
-    (["--num-boxes", "0"], "--num-boxes"),
-    (["--size", "3"], "--size"),
-    (["--max-turns", "0"], "--max-turns"),
-    (["--max-actions-per-turn", "0"], "--max-actions-per-turn"),
-    (["--max-actions-per-traj", "0"], "--max-actions-per-traj"),
-    (["--keep-ratio", "1.5"], "--keep-ratio"),
-    (["--max-tokens", "4000"], "--max-tokens"),
-    (["--max-skipped", "0"], "--max-skipped"),
-    (["--save-every", "-1"], "--save-every"),
-    (["--resume", "--overwrite"], "--"),  # --resume with no run here, or the pair itself: either way one line
-    (["--no-such-flag"], "--no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--estimator", "grpo", "--group-size", "1"], "--group-size"),
+        (["--max-context-turns", "0"], "--max-context-turns"),
+        (["--num-boxes", "0"], "--num-boxes"),
+        (["--size", "3"], "--size"),
+        (["--max-turns", "0"], "--max-turns"),
+        (["--max-actions-per-turn", "0"], "--max-actions-per-turn"),
+        (["--max-actions-per-traj", "0"], "--max-actions-per-traj"),
+        (["--keep-ratio", "1.5"], "--keep-ratio"),
+        (["--max-tokens", "4000"], "--max-tokens"),
+        (["--max-skipped", "0"], "--max-skipped"),
+        (["--save-every", "-1"], "--save-every"),
+        (["--resume", "--overwrite"], "--"),  # --resume with no run here, or the pair itself: either way one line
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
 def test_bad_flags_fail_before_a_model_loads(flags, needle, tmp_path, monkeypatch, capsys):
     def no_model(*a, **k):
         raise AssertionError("a model was built before the flags were checked")
@@ -452,15 +479,49 @@ def test_resume_needs_a_run_and_a_run_needs_resume_or_overwrite(smoke_run, tmp_p
 
 # ---- whole-script runs -------------------------------------------------------------------------------------------
 
-SMOKE = ["--eval-every", "1", "--val-size", "4", "--n-groups", "2", "--group-size", "2", "--sample-every", "1",
-         "--log-rollouts-every", "1"]
+SMOKE = [
+    "--eval-every",
+    "1",
+    "--val-size",
+    "4",
+    "--n-groups",
+    "2",
+    "--group-size",
+    "2",
+    "--sample-every",
+    "1",
+    "--log-rollouts-every",
+    "1",
+]
 EXPECTED_KEYS = {
-    "train/success", "train/reward", "train/reward_min", "train/reward_max", "train/action_is_valid",
-    "train/action_is_effective", "train/num_actions", "train/num_turns", "train/context_overflow",
-    "rollout/in_group_std", "rollout/chosen_in_group_std", "rollout/zero_std_frac", "rollout/truncated_frac",
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/skipped_updates",
-    "response_length/mean", "rubric/env_reward", "rubric/format_penalty", "rubric/format_reward",
-    "timing_s/gen", "timing_s/env", "timing_s/logprob", "timing_s/update", "timing_s/step",
+    "train/success",
+    "train/reward",
+    "train/reward_min",
+    "train/reward_max",
+    "train/action_is_valid",
+    "train/action_is_effective",
+    "train/num_actions",
+    "train/num_turns",
+    "train/context_overflow",
+    "rollout/in_group_std",
+    "rollout/chosen_in_group_std",
+    "rollout/zero_std_frac",
+    "rollout/truncated_frac",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/skipped_updates",
+    "response_length/mean",
+    "rubric/env_reward",
+    "rubric/format_penalty",
+    "rubric/format_reward",
+    "timing_s/gen",
+    "timing_s/env",
+    "timing_s/logprob",
+    "timing_s/update",
+    "timing_s/step",
 }
 VAL_KEYS = {"val/success", "val/reward", "val/random_success", "val/optimal_success", "val/optimal_length/mean"}
 
@@ -485,7 +546,8 @@ def check_run(run_dir, out: str, gae: bool):
     # rollouts.jsonl: the bandit's schema, one entry per turn; 4 val rooms at steps 0, 1, 2 and one per group in training
     rollouts = read(run_dir / "rollouts.jsonl")
     assert sorted((r["split"], r["step"]) for r in rollouts) == sorted(
-        [("val", s) for s in (0, 1, 2) for _ in range(4)] + [("train", s) for s in (1, 2) for _ in range(2)])
+        [("val", s) for s in (0, 1, 2) for _ in range(4)] + [("train", s) for s in (1, 2) for _ in range(2)]
+    )
     for r in rollouts:
         assert r["task"] == "sokoban" and isinstance(r["success"], bool) and 1 <= len(r["turns"]) <= 5
         for t in r["turns"]:
@@ -518,10 +580,13 @@ def test_smoke_two_steps_default(smoke_run):
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step-000001", "step-000002"]
 
 
-@pytest.mark.parametrize("flags", [
-    ["--algo", "starpo", "--estimator", "grpo"],
-    ["--max-context-turns", "1", "--no-turn-rewards", "--mask-truncated"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--algo", "starpo", "--estimator", "grpo"],
+        ["--max-context-turns", "1", "--no-turn-rewards", "--mask-truncated"],
+    ],
+)
 def test_smoke_two_steps(flags, tmp_path):
     r = run_script("--steps", "2", *SMOKE, "--output-dir", str(tmp_path), *flags)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -579,12 +644,26 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
 def test_mask_truncated_means_cut_trajectories_are_not_trained(tmp_path, monkeypatch):
     """--max-tokens 3 cuts every reply: with --mask-truncated nothing is trained (weights unchanged), without it the
     cut replies are trained like any other. (A length-based rubric gives them distinct rewards: a signal to train on.)"""
+
     def reply_length(t):
         return float(len(t.text))
 
     monkeypatch.setattr(ss, "RUBRIC", [(reply_length, 1.0)])
-    flags = [*IN_PROCESS, "--steps", "1", "--max-tokens", "3", "--weight-decay", "0", "--entropy-coef", "0",
-             "--estimator", "grpo", "--keep-ratio", "1"]
+    flags = [
+        *IN_PROCESS,
+        "--steps",
+        "1",
+        "--max-tokens",
+        "3",
+        "--weight-decay",
+        "0",
+        "--entropy-coef",
+        "0",
+        "--estimator",
+        "grpo",
+        "--keep-ratio",
+        "1",
+    ]
     ss.main([*flags, "--mask-truncated", "--output-dir", str(tmp_path / "masked")])
     assert read(tmp_path / "masked" / "metrics.jsonl")[1]["rollout/truncated_frac"] == 1.0
     assert all(initial_and_saved(tmp_path / "masked"))

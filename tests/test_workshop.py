@@ -55,10 +55,15 @@ def short(argv: list[str], out_dir) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("exercise,argv", COMMANDS, ids=[f"ex{n}-{'-'.join(a[a.index('--output-dir') + 1].split('/')[-1:])}" for n, a in COMMANDS])
+@pytest.mark.parametrize(
+    "exercise,argv",
+    COMMANDS,
+    ids=[f"ex{n}-{'-'.join(a[a.index('--output-dir') + 1].split('/')[-1:])}" for n, a in COMMANDS],
+)
 def test_workshop_command_runs(exercise, argv, tmp_path):
-    proc = subprocess.run([sys.executable, *short(argv, tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, *short(argv, tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

@@ -49,7 +49,11 @@ def blocks(path: Path) -> dict[str, Block]:
             continue
         start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
         m = MARKER.match(lines[start - 1]) if start > 0 else None
-        subs = [tuple(x.strip() for x in pair.split("->", 1)) for pair in m.group(3).split(",")] if m and m.group(3) else []
+        subs = (
+            [tuple(x.strip() for x in pair.split("->", 1)) for pair in m.group(3).split(",")]
+            if m and m.group(3)
+            else []
+        )
         out[name] = Block(path, name, start, node.end_lineno, (m.group(1), m.group(2), subs) if m else None)
     return out
 
@@ -73,7 +77,9 @@ def check(root: Path = ROOT, fix: bool = False) -> list[str]:
                 problems.append(f"{where}: marked as copied from {module}.{name}, which does not exist")
                 continue
             if src.marker is not None:
-                problems.append(f"{where}: its source {module}.{name} is itself a copy; point the marker at the original")
+                problems.append(
+                    f"{where}: its source {module}.{name} is itself a copy; point the marker at the original"
+                )
                 continue
             want = src.file.read_text(encoding="utf-8").splitlines()[src.start : src.end]
             for a, c in subs:
@@ -84,8 +90,10 @@ def check(root: Path = ROOT, fix: bool = False) -> list[str]:
             k = next((i for i, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
             got = have[k] if k < len(have) else "<end of block>"
             exp = want[k] if k < len(want) else "<end of block>"
-            problems.append(f"{where}: differs from {module}.{name} at line {b.start + k + 1} "
-                            f"(line {k + 1} of the block): {got.strip()!r} != {exp.strip()!r}")
+            problems.append(
+                f"{where}: differs from {module}.{name} at line {b.start + k + 1} "
+                f"(line {k + 1} of the block): {got.strip()!r} != {exp.strip()!r}"
+            )
             fixed[b.start : b.end] = want
         if fix and fixed != lines:
             path.write_text("\n".join(fixed) + "\n", encoding="utf-8")
@@ -98,8 +106,9 @@ def check(root: Path = ROOT, fix: bool = False) -> list[str]:
                 texts.setdefault("\n".join(lines[b.start : b.end]), []).append(f"{path.stem}.{b.name}")
     for text, where in texts.items():
         if len(where) > 1:
-            problems.append(f"{' and '.join(where)} are identical but not marked: mark all but one "
-                            f"'# Copied from {where[0]}'")
+            problems.append(
+                f"{' and '.join(where)} are identical but not marked: mark all but one '# Copied from {where[0]}'"
+            )
     return problems
 
 
