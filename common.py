@@ -177,12 +177,15 @@ def filter_groups(scores: torch.Tensor, keep_ratio: float, mode: str = "std") ->
     return torch.tensor(sorted(ranked[:k]), dtype=torch.long)
 
 
-def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean"):
+def policy_loss(
+    logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", weights=None
+):
     """PPO clipped surrogate with decoupled clip (DAPO) and dual clip for negative advantages.
 
     All tensors (B, T). Returns (loss, metrics). L1 = -A * rho, L2 = -A * clip(rho, 1 - clip_low, 1 + clip_high),
     Lc = max(L1, L2); where A < 0 the dual clip caps the loss at -A * dual_clip so that one token whose ratio
-    exploded cannot dominate the batch. dual_clip=None turns it off.
+    exploded cannot dominate the batch. dual_clip=None turns it off. weights (B, T), optional: each token's loss is
+    multiplied by its weight before aggregation (truncated importance sampling, see tis_weights).
     """
     mask = mask.float()
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # (B, T)
@@ -201,9 +204,29 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, d
         loss_mat = clipped
         metrics["pg_clipfrac_lower"] = 0.0
     metrics["ppo_kl"] = masked_mean(-log_ratio, mask).item()
+    if weights is not None:
+        loss_mat = loss_mat * weights  # (B, T)
     loss = agg_loss(loss_mat, mask, agg)
     metrics["pg_loss"] = loss.item()
     return loss, metrics
+
+
+def tis_weights(train_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (TIS, as TRL's vLLM correction): min(pi_train / pi_sampler, cap) per token, (B, T).
+
+    The sampler (vLLM, in bf16, with its own kernels) and the trainer give the same tokens slightly different
+    probabilities, so the samples are a little off-policy for the trainer; weighting each token's loss by the ratio
+    corrects that, and the cap bounds the variance a rare large ratio would add. No gradient flows through it.
+    """
+    return (train_logp - sampler_logp).clamp(-20.0, 20.0).exp().clamp(max=cap).detach()
+
+
+def logprob_mismatch(train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |trainer log-prob - sampler log-prob| over the masked (sampled) tokens: how far apart they are."""
+    diff = (train_logp - sampler_logp).abs()[mask.bool()]
+    if diff.numel() == 0:
+        return {"mean": 0.0, "max": 0.0}
+    return {"mean": diff.mean().item(), "max": diff.max().item()}
 
 
 def value_loss(values, old_values, returns, mask, clip=0.5, agg="token-mean"):

@@ -998,3 +998,33 @@ def test_sft_batch_right_pads_and_trains_only_the_reply():
     assert input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
     assert labels.tolist() == [[-100, -100, 7, 8], [-100, 10, -100, -100]]  # prompt and padding ignored
     assert attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+# ---- truncated importance sampling and the trainer / sampler mismatch ----------------------------------------------
+
+
+def test_tis_weights_worked_case():
+    train = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.1]]))  # ratios 2.0, 0.5, 9.0
+    w = common.tis_weights(train, sampler, cap=3.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 3.0]]), atol=1e-6, rtol=0)  # the last one capped
+    assert not w.requires_grad
+    huge = common.tis_weights(torch.tensor([[0.0]]), torch.tensor([[-1e6]]), cap=2.0)
+    assert huge.item() == 2.0  # no overflow
+
+
+def test_policy_loss_weights_scale_each_tokens_loss():
+    logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, -2.0]])  # on-policy: ratio 1
+    adv, mask = torch.tensor([[1.0, -2.0]]), torch.ones(1, 2)
+    plain, m1 = common.policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0)
+    weighted, m2 = common.policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, weights=torch.tensor([[2.0, 0.5]]))
+    assert plain.item() == pytest.approx((-1.0 + 2.0) / 2)  # token-mean of -A * 1
+    assert weighted.item() == pytest.approx((-1.0 * 2.0 + 2.0 * 0.5) / 2)
+    assert m1["pg_clipfrac"] == m2["pg_clipfrac"]  # the clip statistics do not depend on the weights
+
+
+def test_logprob_mismatch():
+    a, b = torch.tensor([[0.0, -1.0, -2.0]]), torch.tensor([[0.1, -1.5, 9.0]])
+    out = common.logprob_mismatch(a, b, torch.tensor([[1, 1, 0]]))  # the third token is not sampled: ignored
+    assert out["mean"] == pytest.approx(0.3) and out["max"] == pytest.approx(0.5)
+    assert common.logprob_mismatch(a, b, torch.zeros(1, 3)) == {"mean": 0.0, "max": 0.0}
