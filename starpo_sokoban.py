@@ -845,7 +845,9 @@ def vllm_push_weights(llm, model, awake: bool = True) -> None:
 
     Every tensor is cast to the engine's dtype first, and goes through vLLM's own loader (reload_weights, in vLLM
     0.32 and 0.33): it maps names, skips a tied lm_head, and re-runs what the backend does after loading (the CPU
-    backend repacks its linear layers; writing into the model's parameters directly would break there).
+    backend repacks its linear layers; writing into the model's parameters directly would break there). Buffers
+    are not pushed: the rotary cos/sin cache is computed, not trained, and vLLM keeps its own (it logs "RotaryEmbedding:
+    Failed to load weights" at warning level as it does; the float32 test's 1e-3 agreement after a push shows it).
     awake=False: the engine was put to sleep for the update (--vllm-sleep); wake it first.
     """
     import vllm
