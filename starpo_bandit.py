@@ -14,6 +14,7 @@ Run it:
     python starpo_bandit.py --model Qwen/Qwen2.5-0.5B-Instruct  # GPU: vLLM generation, RAGEN's defaults
     python starpo_bandit.py --low-arm-name Teacher --high-arm-name Engineer \
         --val-low-arm-name Librarian --val-high-arm-name Trader  # generalisation: train on one pair, test another
+    python starpo_bandit.py --backend vllm                      # vLLM generation on a CPU (requirements-vllm-cpu.txt)
 
 How it departs from the paper / RAGEN:
   * The payout draw is a pure function of the reset seed, and all members of a group share the seed, so a group
@@ -22,8 +23,10 @@ How it departs from the paper / RAGEN:
     other 25%, while StarPO-S's filter keeps the high-std groups, which are the ones where Dragon paid. (The
     README's results table has both runs.)
   * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built and format-warmed on first
-    use (random valid answers only, so the task itself is learned by RL); it uses CPU-sized defaults, printed at
-    start. Paper defaults apply to any other model.
+    use (random valid answers only, so the task itself is learned by RL). `--preset tiny` (automatic with it) sets
+    CPU-sized defaults for the flags you do not give, printed at start; `--preset paper` (any other model) the
+    paper's, which are the field defaults; `--help` shows both. Blocks marked `# Copied from` in the other scripts
+    are copies of this file's: tools/check_copies.py keeps them identical.
   * The rubric (env reward + format + invalid-answer penalty) is explicit and logged per component.
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the

@@ -82,7 +82,7 @@ def bandit_reward(completions, seed, **kwargs) -> list[float]:
     """TRL reward function: starpo_bandit's rubric total for each completion, on the episode its seed defines.
 
     Same path as starpo_bandit.rollout: reset the env with the row's seed, parse <think>/<answer>, step the env
-    with the answer ("" when missing), score the Sample with RUBRIC.
+    with the answer ("" when missing), score the Turn with RUBRIC.
     """
     out = []
     for completion, s in zip(completions, seed, strict=True):
