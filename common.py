@@ -717,7 +717,7 @@ class Run:
         torch.Generators (saved with the RNG states). config: extra entries for config.json."""
         from report import build_report  # report.py is plumbing too; imported here so common.py stands alone
 
-        self.args, self.task, self.script, self.policy, self.tok = args, task, f"starpo_{task}.py", policy, tok
+        self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
         self.generators = [v for v in state.values() if isinstance(v, torch.Generator)]
         self.state = {k: v for k, v in state.items() if v is not None and not isinstance(v, torch.Generator)}
         self.warnings_fn, self.build_report = warnings_fn, build_report

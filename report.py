@@ -323,7 +323,7 @@ def clip_text(s, n: int = MAX_TEXT):
     return s if len(s) <= n else s[:n] + f" … [{len(s) - n} more characters]"
 
 
-def viewer_rollouts(rollouts: list[dict], task: str) -> tuple[list[dict], int]:
+def viewer_rollouts(rollouts: list[dict]) -> tuple[list[dict], int]:
     """A capped, compact copy for the page: per split, up to MAX_ROLLOUTS_PER_STEP per step, on evenly spaced steps
     (first and last included) so that at most MAX_ROLLOUTS_PER_SPLIT are kept. Returns (kept, total)."""
     by_split: dict[str, dict[int, list[dict]]] = {}
@@ -556,7 +556,7 @@ JS = r"""
     return out;
   }
 
-  function drawTurn(turn, i, split) {
+  function drawTurn(turn, i) {
     const board = el("div", "board");
     if (turn.grid) board.append(drawGrid(turn.grid));
     else if (turn.arms) board.append(drawArms(turn.arms, turn));
@@ -580,7 +580,7 @@ JS = r"""
     const outcome = el("b", r.success ? "ok" : "bad", r.success ? "success" : "failure");
     view.replaceChildren(el("p", "", `${r.split} · step ${r.step} · seed ${r.seed} · `, outcome,
                             ` · rubric score ${num(r.score)} · env reward ${num(r.env_reward)} · ${r.turns.length} turn(s)`),
-                         ...r.turns.map((t, i) => drawTurn(t, i, r.split)),
+                         ...r.turns.map((t, i) => drawTurn(t, i)),
                          ...(r.final_grid ? [el("div", "turn", el("h3", "", "After the last move"),
                                                 el("div", "turn-body", el("div", "board", drawGrid(r.final_grid))))] : []));
   }
@@ -619,7 +619,7 @@ JS = r"""
 def render_page(run_dir: Path) -> str:
     config, metrics, rollouts = load_run(run_dir)
     task = infer_task(config, rollouts, run_dir)
-    kept, total = viewer_rollouts(rollouts, task)
+    kept, total = viewer_rollouts(rollouts)
     data = dict(rollouts=kept, thing_colours=THING_COLOURS)
     # Only this exact script may run: a reply that somehow reached the page as markup could not execute anything.
     script_hash = base64.b64encode(hashlib.sha256(JS.encode()).digest()).decode()
