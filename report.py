@@ -660,10 +660,27 @@ def build_report(run_dir) -> Path:
     return out
 
 
+USAGE = "usage: python report.py RUN_DIR   (rebuilds RUN_DIR/report.html)"
+HELP = f"""{USAGE}
+
+Builds (or rebuilds) the self-contained HTML report of one run directory, as the training scripts do at every
+evaluation, and prints the path of the page written. RUN_DIR is a script's --output-dir (for example
+runs/bandit-starpo-s-gae-s0); it must hold at least one of config.json, metrics.jsonl or rollouts.jsonl.
+
+options:
+  -h, --help  show this help and exit
+"""
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python report.py RUN_DIR   (rebuilds RUN_DIR/report.html)", file=sys.stderr)
+    if any(a in ("-h", "--help") for a in argv):
+        print(HELP, end="")
+        return 0
+    options = [a for a in argv if a.startswith("-")]
+    if options or len(argv) != 1:
+        why = f"unknown option {options[0]}" if options else f"expected one RUN_DIR, got {len(argv)} arguments"
+        print(f"report.py: {why}; usage: python report.py RUN_DIR (--help for more)", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
     files = ("config.json", "metrics.jsonl", "rollouts.jsonl")

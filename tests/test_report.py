@@ -550,3 +550,13 @@ def test_browser_tiny_bandit_run(tmp_path):
     assert pixels_of(img, report.COLOURS[0]) > 500 and pixels_of(img, report.COLOURS[1]) > 200  # train and val lines
     assert pixels_of(img, report.ARM_CHOSEN_COLOUR) > 4000 or "no valid arm chosen" in dom  # the chosen arm's card
     assert math.isfinite(embedded_data((run / "report.html").read_text())["rollouts"][0]["score"])
+
+
+def test_help_and_bad_usage():
+    for flag in ("--help", "-h"):
+        res = subprocess.run([sys.executable, str(ROOT / "report.py"), flag], capture_output=True, text=True)
+        assert res.returncode == 0 and res.stdout.startswith("usage: python report.py RUN_DIR") and not res.stderr
+    for bad in (["--bogus"], ["a", "b"], []):
+        res = subprocess.run([sys.executable, str(ROOT / "report.py"), *bad], capture_output=True, text=True)
+        assert res.returncode == 2 and not res.stdout and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "usage: python report.py RUN_DIR" in res.stderr
