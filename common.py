@@ -357,7 +357,26 @@ def model_is_reachable(model_id: str) -> bool:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
+    # One quick HEAD first, with no retries and huggingface_hub's logger and warnings muted: offline, hf_hub_download
+    # alone retries with backoff for about 25 s and prints ~11 "Retrying in ..." lines before the caller's one-line
+    # error. get_hf_file_metadata does not retry (and sends the saved token, so gated models behave as before).
+    import logging
+    import warnings
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
     try:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        hub_logger.setLevel(logging.CRITICAL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            get_hf_file_metadata(hf_hub_url(model_id, "config.json"), timeout=5)
+    except Exception:
+        return False
+    finally:
+        hub_logger.setLevel(level)
+    try:  # reachable: download the config as before (it lands in the cache)
         from huggingface_hub import hf_hub_download
 
         hf_hub_download(model_id, "config.json", etag_timeout=5)

@@ -1028,3 +1028,71 @@ def test_logprob_mismatch():
     out = common.logprob_mismatch(a, b, torch.tensor([[1, 1, 0]]))  # the third token is not sampled: ignored
     assert out["mean"] == pytest.approx(0.3) and out["max"] == pytest.approx(0.5)
     assert common.logprob_mismatch(a, b, torch.zeros(1, 3)) == {"mean": 0.0, "max": 0.0}
+
+
+# ---- model_is_reachable: fast and silent when the Hub is unreachable, unchanged when it answers ----------------
+
+
+def probe_in_subprocess(tmp_path, endpoint: str, model_id: str = "someorg/somemodel"):
+    """common.model_is_reachable(model_id) in a fresh interpreter (huggingface_hub reads its settings on import),
+    online, against `endpoint`, with an empty cache; returns (result, seconds the call took, stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))
+    code = (
+        "import time, common\n"
+        "t = time.perf_counter()\n"
+        f"ok = common.model_is_reachable({model_id!r})\n"
+        "print(ok, time.perf_counter() - t)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ok, seconds = res.stdout.split()
+    return ok == "True", float(seconds), res.stderr
+
+
+def test_model_is_reachable_fails_fast_and_silently_offline(tmp_path):
+    ok, seconds, stderr = probe_in_subprocess(tmp_path, "http://127.0.0.1:9")  # nothing listens on port 9
+    assert ok is False
+    assert seconds < 10, seconds  # huggingface_hub's retries with backoff took ~25 s
+    assert "Retry" not in stderr and "thrown while requesting" not in stderr, stderr
+
+
+def test_model_is_reachable_downloads_the_config_from_a_hub(tmp_path):
+    import http.server
+    import threading
+
+    body = b'{"model_type": "llama"}'
+
+    class FakeHub(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            found = self.path.startswith("/someorg/somemodel/resolve/main/config.json")
+            self.send_response(200 if found else 404)
+            self.send_header("X-Repo-Commit", "0" * 40)
+            self.send_header("ETag", '"abc123"')
+            self.send_header("Content-Length", str(len(body) if found else 0))
+            self.end_headers()
+            return found
+
+        def do_GET(self):
+            if self.do_HEAD():
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        assert probe_in_subprocess(tmp_path, endpoint)[0] is True
+        assert list((tmp_path / "hf" / "hub").glob("models--someorg--somemodel/snapshots/*/config.json"))
+        assert probe_in_subprocess(tmp_path / "other", endpoint, "someorg/missing")[0] is False  # a 404
+    finally:
+        server.shutdown()
+        server.server_close()
