@@ -336,6 +336,52 @@ def parse_args(cls, argv=None, description: str | None = None, presets: dict | N
     return args
 
 
+def busy_cores_elsewhere(seconds: float = 0.5) -> float | None:
+    """How many cores other processes kept busy over the next `seconds`: the machine's busy time (/proc/stat) minus
+    this process's own. None where /proc is missing (macOS, Windows)."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0), time.process_time()
+
+    try:
+        (busy0, own0), t0 = sample(), time.time()
+        time.sleep(seconds)
+        (busy1, own1), wall = sample(), time.time() - t0
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return max(0.0, ((busy1 - busy0) / hz - (own1 - own0)) / wall)
+
+
+def thread_policy(environ=os.environ, busy_elsewhere=busy_cores_elsewhere) -> str:
+    """Choose torch's CPU threads at start and say what was chosen (the start-up line prints it).
+
+    torch's default, one thread per core with OpenMP's spin-waiting, is fastest on an idle machine but collapses
+    beside other jobs: threads that spin while waiting for a descheduled sibling make a step 3-4x slower than one
+    thread (bench/results/threads_cpu.json). So: measure for half a second how many cores other processes keep
+    busy, and use the cores this process may run on minus those (at least one). OMP_NUM_THREADS or
+    STARPO_THREADS=N (a number, or 'off' to leave torch alone) override it. The choice is made once, at start.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    forced = environ.get("STARPO_THREADS", "")
+    if forced == "off" or (not forced and environ.get("OMP_NUM_THREADS")):
+        return f"{torch.get_num_threads()} (as set by the environment)"
+    if forced:
+        try:
+            n = max(1, int(forced))
+        except ValueError:
+            fail("STARPO_THREADS", f"must be a number of threads or 'off', got {forced!r}")
+        torch.set_num_threads(n)
+        return f"{n} (STARPO_THREADS)"
+    busy = busy_elsewhere() if cores > 1 else None
+    n = cores if busy is None else max(1, min(cores, round(cores - busy)))
+    torch.set_num_threads(n)
+    seen = "" if busy is None else f", other processes busy on {busy:.1f}"
+    return f"{n} of {cores} cores{seen}"
+
+
 def seed_everything(seed: int, device: str | None = None) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -450,25 +496,83 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_VERSION = 1  # bump when the recipe changes so stale caches are rebuilt
+TINY_VERSION = 2  # bump when the recipe changes so stale caches are rebuilt
 
 
 def tiny_cache_root() -> Path:
     return Path(os.environ.get("STARPO_CACHE", Path.home() / ".cache" / "starpo"))
 
 
-def sft_batch(rows: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token ids, prompt length) rows -> right-padded input_ids, labels, attention_mask, each (B, T).
-    Labels are -100 (ignored by the loss) on the prompt and the padding: supervised loss on the reply only."""
+def sft_batch(rows: list[tuple[list[int], int | list[int]]], pad_id: int):
+    """(token ids, prompt length or 0/1 loss mask) rows -> right-padded input_ids, labels, attention_mask, (B, T)
+    each. Labels are -100 (ignored by the loss) on the prompt (or where the mask is 0) and on the padding."""
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id)
     labels = torch.full((len(rows), width), -100)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, p_len) in enumerate(rows):
+    for i, (ids, trained) in enumerate(rows):
+        mask = [int(j >= trained) for j in range(len(ids))] if isinstance(trained, int) else trained
         input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, p_len : len(ids)] = torch.tensor(ids[p_len:])
+        labels[i, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
         attn[i, : len(ids)] = 1
     return input_ids, labels, attn
+
+
+def sft_rows(tok, examples: list[tuple[list[dict], str]]) -> list[tuple[list[int], list[int]]]:
+    """Warm-up (chat messages, reply) pairs -> (token ids, 0/1 loss mask) rows, tokenized piece by piece exactly as
+    the scripts' rollouts build a conversation: the chat template up to the first reply, then each reply plus
+    <|im_end|>, and each later message as "\n<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n". So the ids
+    are the ones RL will see, boundaries included. The loss sees every reply (earlier ones in the messages too)
+    and its <|im_end|>, nothing else: a multi-turn episode is one row."""
+    im_end, rows = tok.convert_tokens_to_ids("<|im_end|>"), []
+    for msgs, reply in examples:
+        chat = list(msgs) + [{"role": "assistant", "content": reply}]
+        first = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
+        prompt = tok.apply_chat_template(chat[:first], add_generation_prompt=True, tokenize=False)
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        mask = [0] * len(ids)
+        for m in chat[first:]:
+            if m["role"] == "assistant":
+                piece, trained = tok(m["content"], add_special_tokens=False)["input_ids"] + [im_end], 1
+            else:
+                text = f"\n<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n<|im_start|>assistant\n"
+                piece, trained = tok(text, add_special_tokens=False)["input_ids"], 0
+            ids, mask = ids + piece, mask + [trained] * len(piece)
+        rows.append((ids, mask))
+    return rows
+
+
+def token_ids_digest(rows: list[tuple[list[int], list[int]]]) -> str:
+    """A hash of tokenized warm-up rows, kept in build_info.json: a test re-tokenizes with the scripts' tokenizer."""
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def sft(model, rows, steps: int, batch_size: int, lr: float, pad_id: int, seed: int = 0, log=print, device="cpu"):
+    """Supervised fine-tuning on (token ids, prompt length) rows, loss on the reply only: AdamW, 10 warm-up steps,
+    cosine decay, gradient clip 1. Batches are drawn with replacement from random.Random(seed). Logs a line every
+    tenth of the steps with the time left; returns the last loss. Used by the tiny-model build and --warmup-steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    rng, t0, loss = random.Random(seed), time.time(), torch.tensor(float("nan"))
+    model.train()
+    for step in range(steps):
+        input_ids, labels, attn = (
+            x.to(device) for x in sft_batch([rows[rng.randrange(len(rows))] for _ in range(batch_size)], pad_id)
+        )
+        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % max(1, steps // 10) == 0 or step == steps - 1:  # a line every tenth: never silent for long
+            spent = time.time() - t0
+            left = spent / (step + 1) * (steps - step - 1)
+            log(f"  warm-up step {step + 1:4d}/{steps}  loss {loss.item():.3f}  ({spent:.0f}s, ~{left:.0f}s left)")
+    model.eval()
+    return loss
 
 
 def build_tiny_model(
@@ -504,15 +608,23 @@ def build_tiny_model(
     if (out / "build_info.json").exists():
         return out
 
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+    transformers.utils.logging.disable_progress_bar()  # our own lines say how far the build is
 
     t0 = time.time()
     log(f"building the embedded tiny model '{name}' in {out} (first run only) ...")
-    # Tokenizer: byte-level BPE, so any string (even model garbage) round-trips exactly.
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # Tokenizer: byte-level BPE (any string, even model garbage, round-trips exactly), trained with the normaliser
+    # and pre-tokeniser of Qwen2Tokenizer, which is what AutoTokenizer returns for this model: one digit per piece,
+    # a space before a digit a piece of its own. Training with GPT-2's regex instead learns merges such as " 10"
+    # that the loaded tokenizer never applies, so the numbers RL sees would be token sequences the warm-up never showed.
+    qwen = Qwen2Tokenizer().backend_tokenizer
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
+    bpe.normalizer, bpe.pre_tokenizer, bpe.decoder = qwen.normalizer, qwen.pre_tokenizer, decoders.ByteLevel()
     corpus = [m["content"] for msgs, _ in examples for m in msgs] + [reply for _, reply in examples]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -521,23 +633,13 @@ def build_tiny_model(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(
+    tmp.mkdir(parents=True)
+    PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE
-    )
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-
-    # Data: loss only on the assistant reply (and its closing <|im_end|>).
-    rows = []
-    for msgs, reply in examples:
-        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        r_ids = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        rows.append((p_ids + r_ids, len(p_ids)))
-    max_len = max(len(ids) for ids, _ in rows)
-
-    seed_everything(seed)
+    ).save_pretrained(tmp)
+    specials = {t: bpe.token_to_id(t) for t in TINY_SPECIAL_TOKENS}
     config = Qwen2Config(
-        vocab_size=len(tok),
+        vocab_size=bpe.get_vocab_size(),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 3,
         num_hidden_layers=num_layers,
@@ -545,42 +647,34 @@ def build_tiny_model(
         num_key_value_heads=2,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
-        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        bos_token_id=specials["<|endoftext|>"],
+        eos_token_id=specials["<|im_end|>"],
+        pad_token_id=specials["<|endoftext|>"],
     )
+    config.save_pretrained(tmp)  # before loading the tokenizer back: AutoTokenizer picks its class from it
+    # One tokenizer: the warm-up is tokenized by exactly what the scripts load (AutoTokenizer on the saved folder).
+    tok = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
+    for text in corpus[:: max(1, len(corpus) // 200)]:
+        if tok(text, add_special_tokens=False)["input_ids"] != bpe.encode(text).ids:
+            raise RuntimeError(f"the reloaded tokenizer ({type(tok).__name__}) disagrees with the trained one")
+
+    rows = sft_rows(tok, examples)
+    max_len = max(len(ids) for ids, _ in rows)
+
+    seed_everything(seed)
     model = Qwen2ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=sft_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / sft_steps))
-    )
-    rng = random.Random(seed)
-    model.train()
-    for step in range(sft_steps):
-        input_ids, labels, attn = sft_batch(
-            [rows[rng.randrange(len(rows))] for _ in range(sft_batch_size)], tok.pad_token_id
-        )
-        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == sft_steps - 1:
-            log(f"  warm-up step {step:4d}/{sft_steps}  loss {loss.item():.3f}")
+    loss = sft(model, rows, sft_steps, sft_batch_size, sft_lr, tok.pad_token_id, seed, log)
 
     # Neutral sampling defaults: scripts always pass their own temperature / top_p / top_k.
     model.generation_config.do_sample = True
     model.generation_config.temperature, model.generation_config.top_p, model.generation_config.top_k = 1.0, 1.0, 0
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
     info = dict(
         recipe,
         name=name,
         params=sum(p.numel() for p in model.parameters()),
         max_len=max_len,
+        warmup_ids_sha256=token_ids_digest(rows),
         final_sft_loss=round(loss.item(), 4),
         build_seconds=round(time.time() - t0, 1),
     )
@@ -616,6 +710,7 @@ def prepare_run_dir(out_dir: Path, resume: bool, overwrite: bool) -> Path | None
     for name in ("metrics.jsonl", "rollouts.jsonl", "report.html", "config.json"):
         (out_dir / name).unlink(missing_ok=True)
     shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(out_dir / "warmup", ignore_errors=True)
     return None
 
 

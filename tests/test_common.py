@@ -1096,3 +1096,43 @@ def test_model_is_reachable_downloads_the_config_from_a_hub(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---- CPU thread policy ---------------------------------------------------------------------------------------------
+
+
+def test_thread_policy_yields_the_cores_other_processes_use(monkeypatch):
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert common.thread_policy({}, lambda: 0.1).startswith("4 of 4 cores")  # idle: every core
+        assert common.thread_policy({}, lambda: 2.2).startswith("2 of 4 cores") and torch.get_num_threads() == 2
+        assert common.thread_policy({}, lambda: 7.5).startswith("1 of 4 cores")  # never fewer than one
+        assert common.thread_policy({}, lambda: None).startswith("4 of 4 cores")  # no /proc: torch's default count
+        assert common.thread_policy({"STARPO_THREADS": "3"}, lambda: 9.0) == "3 (STARPO_THREADS)"
+        torch.set_num_threads(2)
+        assert common.thread_policy({"OMP_NUM_THREADS": "2"}, lambda: 9.0) == "2 (as set by the environment)"
+        assert common.thread_policy({"STARPO_THREADS": "off"}, lambda: 9.0).endswith("(as set by the environment)")
+        assert torch.get_num_threads() == 2  # left alone
+        with pytest.raises(SystemExit):
+            common.thread_policy({"STARPO_THREADS": "many"}, lambda: 0.0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_busy_cores_elsewhere_does_not_count_this_process():
+    """A thread of our own spinning during the measurement must not show up as another process's load."""
+    import threading
+
+    base = common.busy_cores_elsewhere(0.3)
+    if base is None:
+        pytest.skip("no /proc/stat here")
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: stop.is_set(), True)])
+    spinner.start()
+    try:
+        busy = common.busy_cores_elsewhere(0.3)
+    finally:
+        stop.set()
+        spinner.join()
+    assert busy < base + 0.5, (base, busy)  # counted as elsewhere, it would add about one core
