@@ -175,7 +175,7 @@ class Args:
     """trajectories per forward/backward (gradient accumulation; lower it if memory runs out)"""
     # ---- evaluation and logging ----
     eval_every: int = 10
-    """evaluate every N steps (and before training); 0 = only before and after"""
+    """evaluate every N steps (and before training); 0 = only before and after (a quick smoke run: --steps 3 --eval-every 0 --val-size 16)"""
     val_size: int = 256
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
@@ -1175,7 +1175,7 @@ def print_sample(step: int, t: Trajectory) -> None:
 def main(argv=None):
     args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
-    common.seed_everything(args.seed, device)
+    threads = common.thread_policy() if device == "cpu" else "torch's default"  # before any model work
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1186,8 +1186,9 @@ def main(argv=None):
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
     common.write_line(
         f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
-        f"estimator: {args.estimator}  preset: {args.preset} ({preset})"
+        f"estimator: {args.estimator}  preset: {args.preset} ({preset})  threads: {threads}"
     )
+    common.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
     policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)

@@ -36,13 +36,20 @@ How it departs from the paper / RAGEN:
     the start and the stream of slip draws (RAGEN's code seeds the same way): the i-th move of every member either
     goes where it was meant or slips to the same side. The group compares choices, not luck.
   * The grid is printed with a space between cells ("P _ _ O") so that every cell is one token; symbols are RAGEN's.
-  * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built and format-warmed on first
-    use (two uniformly random moves a turn: the task itself is left to RL). Its preset trains with GRPO (a tiny
-    critic learns no faster than the policy and doubles the update's cost), seq-mean-token-mean (with token-mean
-    the many tokens of long failed episodes outweigh short successes and push the shared format tokens down) and
-    top_p 0.95 (a rare malformed reply in a lucky episode gets a large update; the nucleus cuts such tails while
-    the four moves stay sampled). bench/frozenlake_cpu.py measures how far it gets; bench/tiny_probe.py shows why
-    it stays near the random policy (even supervised, it does not learn to read moves off the lake in 300 steps).
+  * The lake is followed by a line of coordinates ("Player at row 0, column 1. Goal at row 3, column 0."), as in
+    RAGEN-2's CoordFrozenLake; `--no-positions` shows the grid alone, as RAGEN v1 did.
+  * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built on first use with a
+    world-model warm-up (SPA, arXiv 2510.15047): 300 supervised steps on self-play episodes whose moves are
+    uniformly random (two a turn) and whose think is the environment's own account of the lake: where the player
+    and the goal are, the goal's offset, and what each move would reach ("at 0 1, goal 3 0: 3 Down 1 Left. Left _,
+    Down O, Right _, Up wall"). It learns to read the lake, never which move is good (tests/test_world_model.py
+    checks the moves are uniform whatever the state); RL learns that. `--warmup-steps N` runs the same stage on any
+    model before RL; the world_model rubric component (log only) scores every think against the truth.
+    Its preset trains with GRPO (a tiny critic learns no faster than the policy and doubles the update's cost),
+    seq-mean-token-mean (with token-mean the many tokens of long failed episodes outweigh short successes and push
+    the shared format tokens down) and top_p 0.95 (a rare malformed reply in a lucky episode gets a large update;
+    the nucleus cuts such tails while the four moves stay sampled). bench/frozenlake_cpu.py measures how far it
+    gets; `bench/tiny_probe.py --world` how well it reads.
   * The rubric (env reward + RAGEN's -0.1 format penalty per bad turn) is explicit and logged per component.
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
@@ -59,6 +66,7 @@ import math
 import os
 import random
 import re
+import shutil
 import statistics
 import time
 import warnings
@@ -123,6 +131,8 @@ class Args:
     """probability that a cell is frozen (else a hole) when the map is drawn"""
     slippery: bool = True
     """slippery ice: the chosen direction 1/3, each perpendicular one 1/3 (--no-slippery: moves always succeed)"""
+    positions: bool = True
+    """write the player's and the goal's coordinates under the lake (RAGEN-2's CoordFrozenLake; --no-positions: the grid only)"""
     max_turns: int = 5
     """turns (replies) per episode"""
     max_actions_per_turn: int = 5
@@ -182,6 +192,12 @@ class Args:
     """critic learning rate"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
+    warmup_steps: int = 0
+    """world-model warm-up before RL (SPA): supervised steps on self-play transcripts (uniformly random moves) whose think states the state and what each move would do; 0 = off (the tiny model has it built in)"""
+    warmup_lr: float = 1e-5
+    """learning rate of the world-model warm-up"""
+    warmup_batch_size: int = 8
+    """transcripts per warm-up step"""
     grad_clip: float = 1.0
     """gradient-norm clip"""
     ppo_epochs: int = 1
@@ -192,7 +208,7 @@ class Args:
     """training rows per forward/backward (gradient accumulation; lower it if memory runs out)"""
     # ---- evaluation and logging ----
     eval_every: int = 10
-    """evaluate every N steps (and before training); 0 = only before and after"""
+    """evaluate every N steps (and before training); 0 = only before and after (a quick smoke run: --steps 3 --eval-every 0 --val-size 16)"""
     val_size: int = 256
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
@@ -217,7 +233,7 @@ class Args:
 PRESETS = {
     "paper": {},
     "tiny": dict(
-        max_tokens=24,
+        max_tokens=48,
         top_p=0.95,
         estimator="grpo",
         loss_agg="seq-mean-token-mean",
@@ -234,10 +250,13 @@ ALGOS = {
     "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
     "starpo-s": dict(keep_ratio=0.25, kl_coef=0.0, clip_high=0.28, dual_clip=3.0),
 }
-# Tiny-model recipe (keyword arguments of common.build_tiny_model): a longer warm-up than the bandit's, because
-# the format now spans several turns; small batches keep the build short.
-TINY_BUILD = dict(sft_steps=100, sft_batch_size=16)
+# Tiny-model recipe (keyword arguments of common.build_tiny_model): the world-model warm-up (whole episodes, every
+# reply trained; see tiny_warmup_examples), 300 steps of 8 episodes.
+TINY_BUILD = dict(sft_steps=300, sft_batch_size=8)
 TINY_WARMUP_MOVES = 2  # moves in every warm-up answer (see tiny_warmup_examples)
+# Flags the tiny model's warm-up always takes at their defaults (see tiny_warmup_examples): one cached model serves
+# slippery and non-slippery ice (its think predicts each move as meant) and every budget.
+TINY_WARMUP_FIXED = ("max_turns", "max_actions_per_turn", "max_actions_per_traj", "slippery")
 TINY_WARMUP_SEEDS = (3 * 10**9, 600)  # warm-up episodes: first seed, how many (never trained or evaluated on)
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 TASK = "frozenlake"
@@ -325,8 +344,16 @@ def render(desc: list[str], pos: tuple[int, int]) -> str:
 class FrozenLakeEnv:
     """RAGEN's FrozenLake: a map drawn from the reset seed (or a fixed `desc`), one action word per step."""
 
-    def __init__(self, size: int = 4, p: float = 0.8, slippery: bool = True, desc: Optional[list[str]] = None):
+    def __init__(
+        self,
+        size: int = 4,
+        p: float = 0.8,
+        slippery: bool = True,
+        desc: Optional[list[str]] = None,
+        positions: bool = True,
+    ):
         self.size, self.p, self.slippery, self.fixed_desc = size, p, slippery, desc
+        self.positions = positions  # add a line of coordinates under the lake
         self.desc, self.pos, self.done = [], (0, 0), True
         self.rng = np.random.default_rng(0)
 
@@ -336,10 +363,18 @@ class FrozenLakeEnv:
         # Slips come from their own generator seeded like the map's; gymnasium spends one draw choosing the start.
         self.rng = np.random.default_rng(seed)
         self.rng.random()
-        return self.render()
+        return self.observation()
 
     def render(self) -> str:
         return render(self.desc, self.pos)
+
+    def observation(self) -> str:
+        """What the agent sees: the lake, and (positions=True) the player's and the goal's row and column, which a
+        model would otherwise have to work out by counting cells."""
+        if not self.positions:
+            return self.render()
+        (r, c), (gr, gc) = self.pos, find(self.desc, "G")
+        return self.render() + f"\nPlayer at row {r}, column {c}. Goal at row {gr}, column {gc}."
 
     def describe(self) -> dict:
         """The lake as data, for the report's viewer and for rubrics: grid cells, legend, (row, column) positions."""
@@ -349,6 +384,21 @@ class FrozenLakeEnv:
             player=list(self.pos),
             goal=list(find(self.desc, "G")),
         )
+
+    def perceive(self) -> str:
+        """The state in a few tokens, for the world-model warm-up's think: the player's and the goal's row and
+        column, and the goal's offset in move words ("at 0 1, goal 3 0: 3 Down 1 Left")."""
+        (r, c), (gr, gc) = self.pos, find(self.desc, "G")
+        offset = [f"{abs(gr - r)} {'Down' if gr > r else 'Up'}"] if gr != r else []
+        offset += [f"{abs(gc - c)} {'Right' if gc > c else 'Left'}"] if gc != c else []
+        return f"at {r} {c}, goal {gr} {gc}: {' '.join(offset) or 'here'}"
+
+    def predict(self, action: str) -> str:
+        """What one move would reach if it went as meant (no slip): "_" ice, "O" a hole, "G" the goal, or "wall"
+        when it bumps into the border (the player stays). The lake is not changed."""
+        a = [name.lower() for name in ACTIONS].index(action.strip().lower())
+        ((_, (r, c)),) = transitions(self.desc, self.pos, a, slippery=False)
+        return "wall" if (r, c) == self.pos else dict(H="O", G="G").get(self.desc[r][c], "_")
 
     def cell(self) -> str:
         return self.desc[self.pos[0]][self.pos[1]]
@@ -366,7 +416,7 @@ class FrozenLakeEnv:
             self.done = self.cell() in "HG"
             reward = 1.0 if self.cell() == "G" else 0.0
         info = {"success": self.cell() == "G", "action_is_valid": valid, "action_is_effective": self.pos != before}
-        return self.render(), reward, self.done, info
+        return self.observation(), reward, self.done, info
 
 
 def success_dp(desc: list[str], budget: int, slippery: bool = True) -> tuple[float, float]:
@@ -399,7 +449,7 @@ def success_dp(desc: list[str], budget: int, slippery: bool = True) -> tuple[flo
 
 
 def make_env(args: Args) -> FrozenLakeEnv:
-    return FrozenLakeEnv(size=args.size, p=args.frozen_prob, slippery=args.slippery)
+    return FrozenLakeEnv(size=args.size, p=args.frozen_prob, slippery=args.slippery, positions=args.positions)
 
 
 def baselines(args: Args) -> dict:
@@ -435,6 +485,7 @@ class Turn:
     infos: list  # the environment's info for each move played (success, action_is_valid, action_is_effective)
     before: dict = field(default_factory=dict)  # env.describe() before the turn (grid, positions: see ENVIRONMENT)
     after: dict = field(default_factory=dict)  # env.describe() after the turn: shape rewards on it here, not in rollout
+    world: str = ""  # world_model_think() before the turn: what a correct world model would think
     truncated: bool = False  # the reply hit --max-tokens before its end-of-turn token
     parts: dict = field(default_factory=dict)  # rubric components (unweighted)
     reward: float = 0.0  # weighted sum of the components
@@ -463,8 +514,17 @@ def format_reward(t: Turn) -> float:
     return 1.0 if FORMAT_RE.fullmatch(t.text) else 0.0
 
 
+# Copied from starpo_sokoban.world_model
+def world_model(t: Turn) -> float:
+    """Share of the world's facts the think states right, in order (0 to 1): t.world split at ',', '.' and ':'.
+    Log only by default, it shows whether the model reads the state; weight it to reward perception."""
+    truth = re.split(r"[.,:]\s+", t.world) if t.world else []
+    said = re.split(r"[.,:]\s+", t.think.strip()) if t.think else []
+    return sum(a == b for a, b in zip(truth, said)) / len(truth) if truth else 0.0
+
+
 # (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
-RUBRIC = [(env_reward, 1.0), (format_penalty, 0.1), (format_reward, 0.0)]
+RUBRIC = [(env_reward, 1.0), (format_penalty, 0.1), (format_reward, 0.0), (world_model, 0.0)]
 
 
 # Copied from starpo_bandit.weighted_rubric
@@ -496,6 +556,17 @@ def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float]]:
     parts = {fn.__name__: float(fn(t)) for fn, _ in rubric}
     total = sum(w * parts[fn.__name__] for fn, w in rubric)
     return total, parts
+
+
+# Copied from starpo_sokoban.world_model_think
+def world_model_think(env) -> str:
+    """What a correct world model thinks about env's state: env.perceive() (the state in structured form), then
+    what each move would do (env.predict), e.g. "at 0 1, goal 3 0: 3 Down 1 Left. Left 0 0 _, Down 1 1 O, ...".
+    The world-model warm-up writes it as the think (SPA, arXiv 2510.15047); the world_model rubric checks it.
+    An environment without perceive() and predict() has no world model: "" (an empty think)."""
+    if not (hasattr(env, "perceive") and hasattr(env, "predict")):
+        return ""
+    return env.perceive() + ". " + ", ".join(f"{a} {env.predict(a)}" for a in ACTIONS)
 
 
 ########################################################################################################################
@@ -819,6 +890,7 @@ def rollout_record(t: Trajectory, step: int, split: str) -> dict:
             view=turn.before,
             text=turn.text,
             think=turn.think,
+            world=turn.world,
             answer=turn.answer,
             actions=turn.actions,
             env_reward=turn.env_reward,
@@ -880,7 +952,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         still_active = []
         for i, (_, resume), (r_ids, r_logps) in zip(active, contexts, replies):
             t, env = trajs[i], envs[i]
-            state, before = obs[i], env.describe()
+            state, before, world = obs[i], env.describe(), world_model_think(env)
             # ---- parse and act: invalid words dropped, moves beyond the episode's budget discarded ----
             text = tok.decode([x for x in r_ids if x not in stops], skip_special_tokens=False)
             think, answer = parse_reply(text)
@@ -913,6 +985,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
                 infos,
                 before,
                 env.describe(),
+                world,
                 truncated=bool(r_ids) and r_ids[-1] not in stops,
             )
             turn.reward, turn.parts = score_turn(turn, rubric)
@@ -1325,34 +1398,69 @@ def resolve_args(args: Args):
     return args, device, model, backend, resume_from
 
 
-def warmup_reply(rng: random.Random, per_turn: int, left: int) -> tuple[list[str], str]:
-    """One warm-up turn: TINY_WARMUP_MOVES uniformly random moves (no more than are left), and a short thought.
+# Copied from starpo_sokoban.world_model_warmup
+def world_model_warmup(args: Args, model_path: str, device: str) -> str:
+    """--warmup-steps: SPA's world-model stage before RL. Fine-tunes the model on self-play transcripts
+    (tiny_warmup_examples: uniformly random moves; the think states the world and what each move would do, the
+    environment's ground truth) and saves it to <output-dir>/warmup/, which then stands in for the model: policy,
+    reference, critic and --resume all start from it. Returns its path; a resumed run finds it done."""
+    out = Path(args.output_dir) / "warmup"
+    if (out / "config.json").exists():
+        return str(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    common.seed_everything(args.seed, device)
+    remote = args.trust_remote_code
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=remote).to(device)
+    rows = common.sft_rows(tok, tiny_warmup_examples(args, fixed=()))
+    common.write_line(f"world-model warm-up: {args.warmup_steps} steps of {args.warmup_batch_size} ({len(rows)} turns)")
+    common.sft(
+        model,
+        rows,
+        args.warmup_steps,
+        args.warmup_batch_size,
+        args.warmup_lr,
+        tok.pad_token_id,
+        args.seed,
+        common.write_line,
+        device,
+    )
+    tmp = out.with_name("warmup.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return str(out)
+
+
+def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[list[str], str]:
+    """One warm-up turn: TINY_WARMUP_MOVES uniformly random moves (no more than are left), whatever the lake, and
+    the world model's thought about the lake (world_model_think: where the player and goal are, what each move
+    would do).
 
     Two moves a turn (not 1 to 5) keeps replies short, uses the whole 10-move budget in 5 turns, and leaves room
     to react to slips: the best agent that answers two moves a turn scores almost what the closed-loop optimum does.
     """
     moves = [rng.choice(ACTIONS) for _ in range(min(TINY_WARMUP_MOVES, per_turn, left))]
-    return moves, rng.choice(["I move.", "Next move.", "Let me move."])  # a few words: long ones only cost time here
+    return moves, world_model_think(env)
 
 
 # Copied from starpo_sokoban.tiny_warmup_examples
-def tiny_warmup_examples(args: Args, seed: int = 0) -> list[tuple[list[dict], str]]:
-    """Format-correct transcripts with uniformly random valid moves: the tiny model learns the format only.
+def tiny_warmup_examples(args: Args, seed: int = 0, fixed=TINY_WARMUP_FIXED) -> list[tuple[list[dict], str]]:
+    """Self-play transcripts for the world-model warm-up: the format, perception and the rules, never the policy.
 
     Real episodes on seeds no run trains or evaluates on (TINY_WARMUP_SEEDS: first seed, episodes), each turn's
-    moves drawn by warmup_reply, uniformly at random whatever the state; every turn gives one (chat messages so
-    far, reply) pair, built from exactly the messages the rollout produces. Nothing here looks at the goal, so
-    which move is good is left to RL.
+    moves drawn by warmup_reply uniformly at random whatever the state, its think the environment's own account of
+    the state and of what each move would do (world_model_think). One (chat messages, last reply) pair per
+    episode, built from exactly the messages the rollout produces; common.sft_rows trains every reply in it.
+    Nothing here prefers a good move: which one is good is left to RL.
     """
-    # Always the default episode budget, whatever this run's flags: one cached tiny model then serves every budget
-    # (e.g. WORKSHOP.md's --max-actions-per-turn 1); it learns the format, and RL adapts it to the rules it is shown.
-    d = Args()
-    args = replace(
-        args,
-        max_turns=d.max_turns,
-        max_actions_per_turn=d.max_actions_per_turn,
-        max_actions_per_traj=d.max_actions_per_traj,
-    )
+    # The `fixed` flags (TINY_WARMUP_FIXED) always take their defaults, whatever this run's: one cached tiny model
+    # then serves every budget (e.g. WORKSHOP.md's --max-actions-per-turn 1), and RL adapts it to the rules it is
+    # shown. --warmup-steps passes fixed=(): a model warmed up for this run sees this run's own settings.
+    args = replace(args, **{name: getattr(Args(), name) for name in fixed})
     rng = random.Random(seed)
     first_seed, episodes = TINY_WARMUP_SEEDS
     examples = []
@@ -1361,9 +1469,9 @@ def tiny_warmup_examples(args: Args, seed: int = 0) -> list[tuple[list[dict], st
         messages = first_messages(env.reset(first_seed + e), args)
         left = args.max_actions_per_traj
         for turn_no in range(1, args.max_turns + 1):
-            moves, thought = warmup_reply(rng, args.max_actions_per_turn, left)
+            moves, thought = warmup_reply(rng, env, args.max_actions_per_turn, left)
             reply = f"<think> {thought} </think> <answer> {' || '.join(moves)} </answer>"
-            examples.append((list(messages), reply))
+            last = (list(messages), reply)  # the whole episode so far: the warm-up trains every reply in it
             reward, done = 0.0, False
             for m in moves:
                 obs, r, done, _ = env.step(m)
@@ -1374,6 +1482,7 @@ def tiny_warmup_examples(args: Args, seed: int = 0) -> list[tuple[list[dict], st
                 break
             feedback = feedback_message(reward, turn_no + 1, obs, left)
             messages = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
+        examples.append(last)
     return examples
 
 
@@ -1468,7 +1577,7 @@ def print_sample(step: int, t: Trajectory) -> None:
 def main(argv=None):
     args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
-    common.seed_everything(args.seed, device)
+    threads = common.thread_policy() if device == "cpu" else "torch's default"  # before any model work
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1477,11 +1586,14 @@ def main(argv=None):
     model_path = model_name
     if model_name == "tiny":
         model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD))
+    if args.warmup_steps:
+        model_path = world_model_warmup(args, model_path, device)
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
     common.write_line(
         f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
-        f"estimator: {args.estimator}  preset: {args.preset} ({preset})"
+        f"estimator: {args.estimator}  preset: {args.preset} ({preset})  threads: {threads}"
     )
+    common.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
     policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)

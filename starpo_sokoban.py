@@ -46,8 +46,13 @@ How it departs from the paper / RAGEN:
     tokenizer: "#", " _", " P", ...; a byte-level BPE would otherwise merge runs like "__" into one token).
     By default (--positions) a line under the grid also names the player's, boxes' and targets' row and column.
   * The format penalty weighs 1.0 (a broken turn costs -1), not RAGEN's 0.1: see format_penalty's docstring.
-  * `--model tiny` (the CPU default) is a 0.9M-parameter Qwen2-architecture model built and format-warmed on first
-    use (uniformly random valid moves only, never solver moves, so the task itself is learned by RL).
+  * `--model tiny` (the CPU default) is a 0.9M-parameter Qwen2-architecture model built on first use with a
+    world-model warm-up (SPA, arXiv 2510.15047): supervised steps on self-play episodes whose moves are uniformly
+    random and whose think is the environment's own account of the room, where the player, box and target are and
+    what each move would do ("at 2 4, box 2 3, target 3 1. Up wall, Down wall, Left box 2 2, Right wall"). It
+    learns to read the room and its rules, never which move is good (tests/test_world_model.py checks the moves
+    are uniform whatever the state). `--warmup-steps N` runs the same stage on any model before RL; the
+    world_model rubric component (log only) scores every think against the truth during RL.
   * The rubric (env reward + format penalty) is explicit and logged per component.
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
@@ -59,11 +64,13 @@ solves its room): check `val/success` to tell the two apart.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import random
 import re
+import shutil
 import statistics
 import time
 import warnings
@@ -189,6 +196,12 @@ class Args:
     """critic learning rate"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
+    warmup_steps: int = 0
+    """world-model warm-up before RL (SPA): supervised steps on self-play transcripts (uniformly random moves) whose think states the state and what each move would do; 0 = off (the tiny model has it built in)"""
+    warmup_lr: float = 1e-5
+    """learning rate of the world-model warm-up"""
+    warmup_batch_size: int = 8
+    """transcripts per warm-up step"""
     grad_clip: float = 1.0
     """gradient-norm clip"""
     ppo_epochs: int = 1
@@ -199,7 +212,7 @@ class Args:
     """training rows per forward/backward (gradient accumulation; lower it if memory runs out)"""
     # ---- evaluation and logging ----
     eval_every: int = 10
-    """evaluate every N steps (and before training); 0 = only before and after"""
+    """evaluate every N steps (and before training); 0 = only before and after (a quick smoke run: --steps 3 --eval-every 0 --val-size 16)"""
     val_size: int = 256
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
@@ -220,19 +233,18 @@ class Args:
 
 # --preset: the defaults of every flag you do not give. The paper's are the field defaults above; the tiny model
 # learns from scratch-sized steps: far larger learning rates, short replies.
-PRESETS = {"paper": {}, "tiny": dict(max_tokens=32, group_size=8, lr=1e-4, critic_lr=1e-3)}
+PRESETS = {"paper": {}, "tiny": dict(max_tokens=64, group_size=8, lr=1e-4, critic_lr=1e-3)}
 # --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
 # Copied from starpo_bandit.ALGOS
 ALGOS = {
     "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
     "starpo-s": dict(keep_ratio=0.25, kl_coef=0.0, clip_high=0.28, dual_clip=3.0),
 }
-# Multi-turn transcripts are ~3x longer than the bandit's prompts (up to ~900 tokens), so the warm-up uses a smaller
-# batch and a narrower model; even so the build takes a few minutes on 2 CPU cores (once; then it is cached).
+# The world-model warm-up trains whole episodes (up to ~1,000 tokens, every reply in them), so it uses a small batch
+# and a narrow model: 380 s on an idle 2-core CPU (once; then it is cached). At this size it does not yet learn to
+# copy coordinates (bench/tiny_probe.py --world): the README's probe ladder.
 TINY_BUILD = dict(sft_steps=300, sft_batch_size=8, hidden_size=128)
-# A 1M-parameter model cannot reason in words: one short fixed thought keeps its replies short and their format
-# robust (varied filler thoughts got mixed into broken replies), and puts the answer at a fixed distance from the grid.
-TINY_THOUGHT = "I push the box to the target."
+TINY_WARMUP_FIXED = ("max_turns", "max_actions_per_turn", "max_actions_per_traj")  # see tiny_warmup_examples
 TINY_WARMUP_SEEDS = (5 * 10**8, 400)  # warm-up episodes: first seed, how many (never trained or evaluated on)
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 TASK = "sokoban"
@@ -409,6 +421,23 @@ class SokobanEnv:
             targets=sorted(map(list, self.targets)),
         )
 
+    def perceive(self) -> str:
+        """The state in a few tokens, for the world-model warm-up's think: the player's, boxes' and targets' row and
+        column ("at 2 3, box 3 3, target 4 1")."""
+        where = lambda name, cells: ", ".join(f"{name} {r} {c}" for r, c in sorted(cells))  # noqa: E731
+        return f"at {self.player[0]} {self.player[1]}, {where('box', self.boxes)}, {where('target', self.targets)}"
+
+    def predict(self, action: str) -> str:
+        """What one move would do, played on a copy of the room: "wall" when nothing moves, "box 1 3" when it
+        pushes a box (to row 1, column 3), else what the cell it reaches holds ("_" floor, "O" a target)."""
+        sim = copy.deepcopy(self)
+        sim.step(action)
+        if sim.player == self.player:
+            return "wall"
+        if sim.boxes != self.boxes:
+            return " ".join(f"box {r} {c}" for r, c in sorted(sim.boxes - self.boxes))
+        return SYMBOLS["target"] if sim.player in self.targets else SYMBOLS["floor"]
+
     def solved(self) -> bool:
         return self.boxes == self.targets
 
@@ -521,6 +550,7 @@ class Turn:
     infos: list  # the environment's info for each move played (success, action_is_valid, action_is_effective)
     before: dict = field(default_factory=dict)  # env.describe() before the turn (grid, positions: see ENVIRONMENT)
     after: dict = field(default_factory=dict)  # env.describe() after the turn: shape rewards on it here, not in rollout
+    world: str = ""  # world_model_think() before the turn: what a correct world model would think
     truncated: bool = False  # the reply hit --max-tokens before its end-of-turn token
     parts: dict = field(default_factory=dict)  # rubric components (unweighted)
     reward: float = 0.0  # weighted sum of the components
@@ -555,8 +585,16 @@ def format_reward(t: Turn) -> float:
     return 1.0 if FORMAT_RE.fullmatch(t.text) else 0.0
 
 
+def world_model(t: Turn) -> float:
+    """Share of the world's facts the think states right, in order (0 to 1): t.world split at ',', '.' and ':'.
+    Log only by default, it shows whether the model reads the state; weight it to reward perception."""
+    truth = re.split(r"[.,:]\s+", t.world) if t.world else []
+    said = re.split(r"[.,:]\s+", t.think.strip()) if t.think else []
+    return sum(a == b for a, b in zip(truth, said)) / len(truth) if truth else 0.0
+
+
 # (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
-RUBRIC = [(env_reward, 1.0), (format_penalty, 1.0), (format_reward, 0.0)]
+RUBRIC = [(env_reward, 1.0), (format_penalty, 1.0), (format_reward, 0.0), (world_model, 0.0)]
 
 
 # Copied from starpo_bandit.weighted_rubric
@@ -588,6 +626,16 @@ def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float]]:
     parts = {fn.__name__: float(fn(t)) for fn, _ in rubric}
     total = sum(w * parts[fn.__name__] for fn, w in rubric)
     return total, parts
+
+
+def world_model_think(env) -> str:
+    """What a correct world model thinks about env's state: env.perceive() (the state in structured form), then
+    what each move would do (env.predict), e.g. "at 0 1, goal 3 0: 3 Down 1 Left. Left 0 0 _, Down 1 1 O, ...".
+    The world-model warm-up writes it as the think (SPA, arXiv 2510.15047); the world_model rubric checks it.
+    An environment without perceive() and predict() has no world model: "" (an empty think)."""
+    if not (hasattr(env, "perceive") and hasattr(env, "predict")):
+        return ""
+    return env.perceive() + ". " + ", ".join(f"{a} {env.predict(a)}" for a in ACTIONS)
 
 
 ########################################################################################################################
@@ -911,6 +959,7 @@ def rollout_record(t: Trajectory, step: int, split: str) -> dict:
             view=turn.before,
             text=turn.text,
             think=turn.think,
+            world=turn.world,
             answer=turn.answer,
             actions=turn.actions,
             env_reward=turn.env_reward,
@@ -970,7 +1019,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         still_active = []
         for i, (_, resume), (r_ids, r_logps) in zip(active, contexts, replies):
             t, env = trajs[i], envs[i]
-            state, before = obs[i], env.describe()
+            state, before, world = obs[i], env.describe(), world_model_think(env)
             # ---- parse and act: invalid words dropped, moves beyond the episode's budget discarded ----
             text = tok.decode([x for x in r_ids if x not in stops], skip_special_tokens=False)
             think, answer = parse_reply(text)
@@ -1003,6 +1052,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
                 infos,
                 before,
                 env.describe(),
+                world,
                 truncated=bool(r_ids) and r_ids[-1] not in stops,
             )
             turn.reward, turn.parts = score_turn(turn, rubric)
@@ -1413,29 +1463,62 @@ def resolve_args(args: Args):
     return args, device, model, backend, resume_from
 
 
-def warmup_reply(rng: random.Random, per_turn: int, left: int) -> tuple[list[str], str]:
-    """One warm-up turn: 1 to per_turn uniformly random moves (no more than are left), and the one fixed thought."""
+def world_model_warmup(args: Args, model_path: str, device: str) -> str:
+    """--warmup-steps: SPA's world-model stage before RL. Fine-tunes the model on self-play transcripts
+    (tiny_warmup_examples: uniformly random moves; the think states the world and what each move would do, the
+    environment's ground truth) and saves it to <output-dir>/warmup/, which then stands in for the model: policy,
+    reference, critic and --resume all start from it. Returns its path; a resumed run finds it done."""
+    out = Path(args.output_dir) / "warmup"
+    if (out / "config.json").exists():
+        return str(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    common.seed_everything(args.seed, device)
+    remote = args.trust_remote_code
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=remote).to(device)
+    rows = common.sft_rows(tok, tiny_warmup_examples(args, fixed=()))
+    common.write_line(f"world-model warm-up: {args.warmup_steps} steps of {args.warmup_batch_size} ({len(rows)} turns)")
+    common.sft(
+        model,
+        rows,
+        args.warmup_steps,
+        args.warmup_batch_size,
+        args.warmup_lr,
+        tok.pad_token_id,
+        args.seed,
+        common.write_line,
+        device,
+    )
+    tmp = out.with_name("warmup.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return str(out)
+
+
+def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[list[str], str]:
+    """One warm-up turn: 1 to per_turn uniformly random moves (no more than are left), whatever the room, and the
+    world model's thought about the room (world_model_think: where things are, what each move would do)."""
     moves = [rng.choice(list(ACTIONS)) for _ in range(min(rng.randint(1, per_turn), left))]
-    return moves, TINY_THOUGHT
+    return moves, world_model_think(env)
 
 
-def tiny_warmup_examples(args: Args, seed: int = 0) -> list[tuple[list[dict], str]]:
-    """Format-correct transcripts with uniformly random valid moves: the tiny model learns the format only.
+def tiny_warmup_examples(args: Args, seed: int = 0, fixed=TINY_WARMUP_FIXED) -> list[tuple[list[dict], str]]:
+    """Self-play transcripts for the world-model warm-up: the format, perception and the rules, never the policy.
 
     Real episodes on seeds no run trains or evaluates on (TINY_WARMUP_SEEDS: first seed, episodes), each turn's
-    moves drawn by warmup_reply, uniformly at random whatever the state; every turn gives one (chat messages so
-    far, reply) pair, built from exactly the messages the rollout produces. Nothing here looks at the goal, so
-    which move is good is left to RL.
+    moves drawn by warmup_reply uniformly at random whatever the state, its think the environment's own account of
+    the state and of what each move would do (world_model_think). One (chat messages, last reply) pair per
+    episode, built from exactly the messages the rollout produces; common.sft_rows trains every reply in it.
+    Nothing here prefers a good move: which one is good is left to RL.
     """
-    # Always the default episode budget, whatever this run's flags: one cached tiny model then serves every budget
-    # (e.g. WORKSHOP.md's --max-actions-per-turn 1); it learns the format, and RL adapts it to the rules it is shown.
-    d = Args()
-    args = replace(
-        args,
-        max_turns=d.max_turns,
-        max_actions_per_turn=d.max_actions_per_turn,
-        max_actions_per_traj=d.max_actions_per_traj,
-    )
+    # The `fixed` flags (TINY_WARMUP_FIXED) always take their defaults, whatever this run's: one cached tiny model
+    # then serves every budget (e.g. WORKSHOP.md's --max-actions-per-turn 1), and RL adapts it to the rules it is
+    # shown. --warmup-steps passes fixed=(): a model warmed up for this run sees this run's own settings.
+    args = replace(args, **{name: getattr(Args(), name) for name in fixed})
     rng = random.Random(seed)
     first_seed, episodes = TINY_WARMUP_SEEDS
     examples = []
@@ -1444,9 +1527,9 @@ def tiny_warmup_examples(args: Args, seed: int = 0) -> list[tuple[list[dict], st
         messages = first_messages(env.reset(first_seed + e), args)
         left = args.max_actions_per_traj
         for turn_no in range(1, args.max_turns + 1):
-            moves, thought = warmup_reply(rng, args.max_actions_per_turn, left)
+            moves, thought = warmup_reply(rng, env, args.max_actions_per_turn, left)
             reply = f"<think> {thought} </think> <answer> {' || '.join(moves)} </answer>"
-            examples.append((list(messages), reply))
+            last = (list(messages), reply)  # the whole episode so far: the warm-up trains every reply in it
             reward, done = 0.0, False
             for m in moves:
                 obs, r, done, _ = env.step(m)
@@ -1457,6 +1540,7 @@ def tiny_warmup_examples(args: Args, seed: int = 0) -> list[tuple[list[dict], st
                 break
             feedback = feedback_message(reward, turn_no + 1, obs, left)
             messages = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
+        examples.append(last)
     return examples
 
 
@@ -1546,7 +1630,7 @@ def print_sample(step: int, t: Trajectory) -> None:
 def main(argv=None):
     args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
-    common.seed_everything(args.seed, device)
+    threads = common.thread_policy() if device == "cpu" else "torch's default"  # before any model work
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1555,11 +1639,14 @@ def main(argv=None):
     model_path = model_name
     if model_name == "tiny":
         model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD))
+    if args.warmup_steps:
+        model_path = world_model_warmup(args, model_path, device)
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
     common.write_line(
         f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
-        f"estimator: {args.estimator}  preset: {args.preset} ({preset})"
+        f"estimator: {args.estimator}  preset: {args.preset} ({preset})  threads: {threads}"
     )
+    common.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
     policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)

@@ -20,6 +20,7 @@ the fix is a model that has it (a pretrained one), not a different RL setting.
 
 import argparse
 import random
+import re
 import sys
 import time
 from collections import Counter, deque
@@ -61,13 +62,14 @@ def frozenlake_states(n: int, first_seed: int, rng: random.Random) -> list[tuple
         env.pos = rng.choice(sorted(cells))
         step = lambda a: (env.pos[0] + fl.MOVES[a][0], env.pos[1] + fl.MOVES[a][1])  # noqa: E731
         best = min(range(4), key=lambda a: dist.get(step(a), 99))
-        messages = fl.first_messages(env.render(), args)
-        out.append((messages, "I move.", fl.ACTIONS[best]))
+        messages = fl.first_messages(env.observation(), args)
+        out.append((messages, fl.world_model_think(env), fl.ACTIONS[best]))
     return out
 
 
 def sokoban_states(n: int, first_seed: int, rng: random.Random) -> list[tuple[list[dict], str, str]]:
-    """(messages, thought, label): a generated room and the first move of the solver's shortest solution."""
+    """(messages, thought, label): a generated room, the world model's correct thought about it, and the first move
+    of the solver's shortest solution."""
     args, out, seed = sk.Args(), [], first_seed
     env = sk.make_env(args)
     while len(out) < n:
@@ -75,7 +77,7 @@ def sokoban_states(n: int, first_seed: int, rng: random.Random) -> list[tuple[li
         seed += 1
         path = sk.solve(env)
         if path:
-            out.append((sk.first_messages(obs, args), sk.TINY_THOUGHT, path[0]))
+            out.append((sk.first_messages(obs, args), sk.world_model_think(env), path[0]))
     return out
 
 
@@ -168,8 +170,50 @@ def probe(
     }
 
 
+def world_probe(task: str, test_size: int, seed: int) -> dict:
+    """After the world-model warm-up, on held-out first turns (seeds no script trains or evaluates on): how often
+    the model's own think (greedy) states each fact of world_model_think right: the player's cell, the goal's or
+    box's and target's, the offset, and what each move would do; and how often the whole think is right."""
+    script = TASKS[task]["script"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = common.build_tiny_model(task, script.tiny_warmup_examples(script.Args()), **script.TINY_BUILD)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    args, prompts, truths = script.Args(), [], []
+    for i in range(test_size):
+        env = script.make_env(args)
+        obs = env.reset(9 * 10**8 + i)
+        text = tok.apply_chat_template(script.first_messages(obs, args), add_generation_prompt=True, tokenize=False)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+        truths.append(script.world_model_think(env))
+    common.seed_everything(seed)
+    t0 = time.time()
+    replies = script.hf_generate(model, tok, prompts, 1e-4, 1.0, 128, 64)  # temperature ~0: the model's best guess
+    facts, exact, formatted = {}, 0, 0
+    for (ids, _), truth in zip(replies, truths):
+        think, answer = script.parse_reply(tok.decode(ids, skip_special_tokens=True))
+        formatted += think is not None and answer is not None
+        exact += think == truth
+        said = re.split(r"[.,:]\s+", think) if think else []
+        for k, fact in enumerate(re.split(r"[.,:]\s+", truth)):
+            name = fact.split()[0] if fact.split()[0] in script.ACTIONS else ["player", "second", "third"][min(k, 2)]
+            facts.setdefault(name, []).append(k < len(said) and said[k] == fact)
+    return {
+        "task": task,
+        "model": path.name,
+        "test_size": test_size,
+        "well_formed": formatted / test_size,
+        "exact_think": exact / test_size,
+        "facts": {k: round(sum(v) / len(v), 3) for k, v in facts.items()},
+        "seconds": round(time.time() - t0, 1),
+        "example": {"truth": truths[0], "said": tok.decode(replies[0][0], skip_special_tokens=True)},
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", action="store_true", help="the world-model probe instead (writes tiny_probe_world.json)")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--prompts", nargs="+", default=["grid", "copy"], choices=["grid", "copy"])
     ap.add_argument("--steps", type=int, default=300, help="supervised steps per probe")
@@ -184,6 +228,26 @@ def main():
     ap.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "tiny_probe.json"))
     a = ap.parse_args()
     load_start, t0 = harness.os.getloadavg(), time.time()
+    if a.world:
+        runs = [world_probe(task, a.test_size, a.seed) for task in a.tasks]
+        for r in runs:
+            print(
+                f"{r['task']:10s} well formed {r['well_formed']:.3f}  exact think {r['exact_think']:.3f}  {r['facts']}"
+            )
+        out = (
+            a.out
+            if a.out != ap.get_default("out")
+            else str(harness.ROOT / "bench" / "results" / "tiny_probe_world.json")
+        )
+        result = dict(
+            benchmark="tiny_probe_world",
+            command="python bench/tiny_probe.py " + " ".join(sys.argv[1:]),
+            runs=runs,
+            wall_seconds=round(time.time() - t0, 1),
+            machine=harness.machine(load_start),
+        )
+        harness.write_result(out, result)
+        return
     runs = [
         probe(task, prompt, a.steps, a.eval_every, a.lr, a.batch_size, a.train_size, a.test_size, a.seed)
         for task in a.tasks

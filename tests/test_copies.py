@@ -31,6 +31,9 @@ MULTI_TURN_CORE = {
     "print_sample",
     "parse_actions",
     "tiny_warmup_examples",
+    "world_model_think",
+    "world_model",
+    "world_model_warmup",
     "main",
 }
 # ... and what all three share lives once, in starpo_bandit.py.

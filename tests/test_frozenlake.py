@@ -114,7 +114,7 @@ def test_maps_are_deterministic_connected_and_varied():
 
 
 def test_symbols_and_rendering():
-    env = fl.FrozenLakeEnv(desc=["SH", "FG"], slippery=False)
+    env = fl.FrozenLakeEnv(desc=["SH", "FG"], slippery=False, positions=False)
     assert env.reset(0) == "P O\n_ G"
     obs, reward, done, info = env.step("Right")
     assert obs == "_ X\n_ G" and reward == 0.0 and done and not info["success"]
@@ -123,6 +123,9 @@ def test_symbols_and_rendering():
     assert env.render() == "_ O\nP G"
     obs, reward, done, info = env.step("right")  # case-insensitive
     assert obs == "_ O\n_ √" and reward == 1.0 and done and info["success"]
+    coords = fl.FrozenLakeEnv(desc=["SH", "FG"], slippery=False)  # --positions, the default: coordinates under it
+    assert coords.reset(0) == "P O\n_ G\nPlayer at row 0, column 0. Goal at row 1, column 1."
+    assert coords.step("Down")[0].endswith("Player at row 1, column 0. Goal at row 1, column 1.")
 
 
 def test_termination_rewards_validity_and_effectiveness():
@@ -323,7 +326,18 @@ def test_rollout_record_schema_and_report_draws_the_lake():
     assert (rec["step"], rec["split"], rec["task"], rec["seed"]) == (3, "train", "frozenlake", 0)
     assert rec["score"] == pytest.approx(-0.1) and rec["env_reward"] == 0.0 and rec["success"] is False
     turn = rec["turns"][0]
-    assert set(turn) == {"state", "view", "text", "think", "answer", "actions", "env_reward", "score", "rubric"}
+    assert set(turn) == {
+        "state",
+        "view",
+        "text",
+        "think",
+        "world",
+        "answer",
+        "actions",
+        "env_reward",
+        "score",
+        "rubric",
+    }
     assert turn["actions"] == ["Right"] and turn["rubric"]["format_penalty"] == -1.0 and turn["env_reward"] == 0.0
     assert turn["score"] == pytest.approx(-0.1)
     json.dumps(rec)  # one line of rollouts.jsonl
@@ -518,11 +532,12 @@ def test_tiny_warmup_is_random_and_format_correct():
     """The warm-up teaches the format on real episodes; its moves are uniformly random (never the solver's)."""
     examples = fl.tiny_warmup_examples(args_for())
     moves = Counter()
-    for messages, reply in examples:
-        think, answer = fl.parse_reply(reply)
-        actions, bad = fl.parse_actions(answer, 5)
-        assert think is not None and not bad and fl.FORMAT_RE.fullmatch(reply)
-        moves.update(actions)
+    for messages, last in examples:
+        for reply in [m["content"] for m in messages if m["role"] == "assistant"] + [last]:
+            think, answer = fl.parse_reply(reply)
+            actions, bad = fl.parse_actions(answer, 5)
+            assert think is not None and not bad and fl.FORMAT_RE.fullmatch(reply)
+            moves.update(actions)
         assert messages[0]["role"] == "system" and messages[-1]["role"] == "user"
     total = sum(moves.values())
     assert all(abs(moves[a] / total - 0.25) < 0.02 for a in fl.ACTIONS), moves
@@ -723,16 +738,17 @@ def weights_after(tmp_path, *flags):
 
 
 def test_mask_truncated_means_cut_replies_are_not_trained(tmp_path, monkeypatch):
-    """--max-tokens 6 cuts every reply: with --mask-truncated nothing is trained (weights unchanged), without it the
-    cut replies are trained like any other. (A rubric hashing the text gives them distinct rewards: a signal.)"""
+    """--max-tokens 16 cuts every reply (the think alone is longer): with --mask-truncated nothing is trained (weights
+    unchanged), without it the cut replies are trained like any other. (A rubric hashing the text gives them
+    distinct rewards: a signal.)"""
 
     def text_hash(t):
         return float(sum(map(ord, t.text)) % 7)
 
     monkeypatch.setattr(fl, "RUBRIC", [(text_hash, 1.0)])
-    assert all(weights_after(tmp_path / "masked", "--max-tokens", "6", "--mask-truncated"))
+    assert all(weights_after(tmp_path / "masked", "--max-tokens", "16", "--mask-truncated"))
     assert read(tmp_path / "masked" / "metrics.jsonl")[1]["rollout/truncated_frac"] == 1.0
-    assert not all(weights_after(tmp_path / "trained", "--max-tokens", "6"))
+    assert not all(weights_after(tmp_path / "trained", "--max-tokens", "16"))
 
 
 def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys):

@@ -403,7 +403,7 @@ def test_generation_logprobs_match_update_pass(tiny, k):
     every sampled token exactly as the sampler saw it (observation tokens in between, right padding, temperature)."""
     model, tok = tiny
     torch.manual_seed(0)
-    args = ss.Args(max_tokens=32, max_context_turns=k)
+    args = ss.Args(max_tokens=64, max_context_turns=k)
     gen = lambda prompts, temp: ss.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64)  # noqa: E731
     trajs = ss.rollout(gen, tok, [10**9 + i for i in range(6)], args, 0.7, ss.RUBRIC)
     rows_ = ss.training_rows(trajs, k)
@@ -551,8 +551,19 @@ def check_run(run_dir, out: str, gae: bool):
     for r in rollouts:
         assert r["task"] == "sokoban" and isinstance(r["success"], bool) and 1 <= len(r["turns"]) <= 5
         for t in r["turns"]:
-            assert set(t) == {"state", "view", "text", "think", "answer", "actions", "env_reward", "score", "rubric"}
-            assert set(t["rubric"]) == {"env_reward", "format_penalty", "format_reward"}
+            assert set(t) == {
+                "state",
+                "view",
+                "text",
+                "think",
+                "world",
+                "answer",
+                "actions",
+                "env_reward",
+                "score",
+                "rubric",
+            }
+            assert set(t["rubric"]) == {"env_reward", "format_penalty", "format_reward", "world_model"}
             assert set(t["view"]) == {"grid", "legend", "player", "boxes", "targets"}
     # the report draws the room from the environment's own view of it, and the room after the last move
     from report import grid_of
@@ -642,19 +653,20 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
 
 
 def test_mask_truncated_means_cut_trajectories_are_not_trained(tmp_path, monkeypatch):
-    """--max-tokens 3 cuts every reply: with --mask-truncated nothing is trained (weights unchanged), without it the
-    cut replies are trained like any other. (A length-based rubric gives them distinct rewards: a signal to train on.)"""
+    """--max-tokens 12 cuts every reply (the think alone is longer): with --mask-truncated nothing is trained (weights
+    unchanged), without it the cut replies are trained like any other. (A rubric hashing the text gives them
+    distinct rewards: a signal to train on.)"""
 
-    def reply_length(t):
-        return float(len(t.text))
+    def text_hash(t):
+        return float(sum(map(ord, t.text)) % 7)
 
-    monkeypatch.setattr(ss, "RUBRIC", [(reply_length, 1.0)])
+    monkeypatch.setattr(ss, "RUBRIC", [(text_hash, 1.0)])
     flags = [
         *IN_PROCESS,
         "--steps",
         "1",
         "--max-tokens",
-        "3",
+        "12",
         "--weight-decay",
         "0",
         "--entropy-coef",

@@ -1,0 +1,146 @@
+"""The world-model warm-up (SPA): its thoughts are the environment's ground truth, its moves are uniformly random
+whatever the state (never a policy), and the world_model rubric scores a think against the truth."""
+
+import copy
+import math
+import re
+from collections import Counter, defaultdict
+
+import pytest
+
+import starpo_frozenlake as fl
+import starpo_sokoban as sk
+
+TASKS = [fl, sk]
+
+
+def replay(m):
+    """Every warm-up reply with the environment it was written for: (env before the reply, reply) pairs."""
+    args, (first_seed, _) = m.Args(), m.TINY_WARMUP_SEEDS
+    out = []
+    for e, (messages, last) in enumerate(m.tiny_warmup_examples(args)):
+        replies = [x["content"] for x in messages if x["role"] == "assistant"] + [last]
+        env = m.make_env(args)
+        env.reset(first_seed + e)
+        for reply in replies:
+            out.append((copy.deepcopy(env), reply))
+            actions, _ = m.parse_actions(m.parse_reply(reply)[1], args.max_actions_per_turn)
+            for a in actions:
+                if env.step(a)[2]:
+                    break
+    return out
+
+
+@pytest.fixture(scope="module", params=TASKS, ids=lambda m: m.TASK)
+def played(request):
+    return request.param, replay(request.param)
+
+
+def test_every_warmup_think_is_the_environments_ground_truth(played):
+    m, pairs = played
+    assert len(pairs) > 500
+    for env, reply in pairs:
+        think, answer = m.parse_reply(reply)
+        assert think == m.world_model_think(env) and m.FORMAT_RE.fullmatch(reply)
+        assert not m.parse_actions(answer, 5)[1]
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square with df degrees of freedom (Wilson-Hilferty; scipy is not a dependency)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_warmup_moves_are_uniform_whatever_the_state(played):
+    """Chi-square of move counts within each state class (what each move would do, and where the goal lies: all a
+    policy could prefer a move by) against the uniform distribution: a solver's or a greedy rule's moves fail it."""
+    m, pairs = played
+    by_state = defaultdict(Counter)
+    for env, reply in pairs:
+        state = re.sub(r"\d", "#", m.world_model_think(env))  # the class: outcomes and offsets, not coordinates
+        actions, _ = m.parse_actions(m.parse_reply(reply)[1], 5)
+        by_state[state].update(actions)
+    chi2, df = 0.0, 0
+    for counts in by_state.values():
+        n = sum(counts.values())
+        if n >= 20:
+            chi2 += sum((counts[a] - n / 4) ** 2 / (n / 4) for a in m.ACTIONS)
+            df += 3
+    assert df >= 6 and chi2 < chi_square_critical(df), (chi2, df)
+
+
+def test_the_uniform_test_catches_a_warmup_that_prefers_good_moves(played):
+    """The same statistic on a greedy warm-up (never into a wall or a hole, toward the goal when it can) fails."""
+    m, pairs = played
+    by_state = defaultdict(Counter)
+    for env, _ in pairs:
+        think = m.world_model_think(env)
+        safe = [a for a in m.ACTIONS if re.search(rf"{a} (_|G|box)", think)] or list(m.ACTIONS)
+        toward = [a for a in safe if f" {a}" in think.split(".")[0]] or safe
+        by_state[re.sub(r"\d", "#", think)][toward[0]] += 1
+    chi2, df = 0.0, 0
+    for counts in by_state.values():
+        n = sum(counts.values())
+        if n >= 20:
+            chi2 += sum((counts[a] - n / 4) ** 2 / (n / 4) for a in m.ACTIONS)
+            df += 3
+    assert chi2 > chi_square_critical(df)
+
+
+def test_predict_leaves_the_world_unchanged_and_matches_a_step():
+    env = fl.FrozenLakeEnv(desc=["SFH", "FFG", "FFF"], slippery=True)
+    env.reset(0)
+    assert [env.predict(a) for a in fl.ACTIONS] == ["wall", "_", "_", "wall"] and env.pos == (0, 0)
+    env.pos = (1, 1)
+    assert [env.predict(a) for a in fl.ACTIONS] == ["_", "_", "G", "_"]
+    env.pos = (0, 1)
+    assert env.predict("Right") == "O" and env.perceive() == "at 0 1, goal 1 2: 1 Down 1 Right"
+    room = sk.SokobanEnv()
+    room.reset(7)
+    before = (room.player, room.boxes, room.render())
+    for a in sk.ACTIONS:
+        said = room.predict(a)
+        sim = copy.deepcopy(room)
+        sim.step(a)
+        moved = sorted(sim.boxes - room.boxes)
+        expected = "wall" if sim.player == room.player else " ".join(f"box {r} {c}" for r, c in moved) or None
+        assert expected is None or said == expected
+        assert (room.player, room.boxes, room.render()) == before
+
+
+@pytest.mark.parametrize("m", TASKS, ids=lambda m: m.TASK)
+def test_world_model_rubric_scores_the_think_against_the_truth(m):
+    env = m.make_env(m.Args())
+    env.reset(3)
+    truth = m.world_model_think(env)
+    n = len(re.split(r"[.,:]\s+", truth))
+    turn = lambda think: m.Turn("", "", think, "Up", [], False, 0.0, [], world=truth)  # noqa: E731
+    assert m.world_model(turn(truth)) == 1.0
+    assert m.world_model(turn(None)) == 0.0 and m.world_model(turn("")) == 0.0
+    wrong_first = "at 9 9" + truth[truth.index(",") :]
+    assert m.world_model(turn(wrong_first)) == pytest.approx((n - 1) / n)
+    assert m.world_model(turn(truth + ", Up wall, Up wall")) == 1.0  # extra claims earn nothing more
+
+
+def test_the_warmed_up_tiny_model_states_where_things_are_on_held_out_maps():
+    """The shipped FrozenLake recipe (the cached build every FrozenLake test uses): asked greedily about lakes it was
+    never warmed up on, the model's think names the player's and the goal's cells right."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import common
+
+    path = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(fl.Args()), **fl.TINY_BUILD)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    args, prompts, truths = fl.Args(), [], []
+    for i in range(12):
+        env = fl.make_env(args)
+        obs = env.reset(9 * 10**8 + i)  # no script trains, warms up or evaluates on these seeds
+        text = tok.apply_chat_template(fl.first_messages(obs, args), add_generation_prompt=True, tokenize=False)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+        truths.append(re.split(r"[.,:]\s+", fl.world_model_think(env))[:2])  # "at r c", "goal r c"
+    torch.manual_seed(0)
+    replies = fl.hf_generate(model, tok, prompts, 1e-4, 1.0, 48, 16)
+    said = [fl.parse_reply(tok.decode(ids, skip_special_tokens=True))[0] or "" for ids, _ in replies]
+    right = sum(re.split(r"[.,:]\s+", s)[:2] == t for s, t in zip(said, truths))
+    assert right >= 11, list(zip(said, truths))
