@@ -46,7 +46,9 @@ def run_script(script: str, flags: list[str], warm_cache: bool) -> dict:
             sys.exit(f"benchmark run failed:\n{proc.stderr[-2000:]}")
         rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         config = json.loads((run_dir / "config.json").read_text())
-    return dict(rows=rows, config=config, t0=t0, wall=wall, load_start=load_start)
+        cache = Path(env.get("STARPO_CACHE", Path.home() / ".cache" / "starpo"))
+        built = build_seconds(cache, t0)
+    return dict(rows=rows, config=config, t0=t0, wall=wall, load_start=load_start, build_s=built)
 
 
 def machine(load_start) -> dict:
@@ -130,7 +132,25 @@ def summarise(
     }
 
 
-def main(script: str, out_name: str, target_success: float, target_wall_s: float, thresholds: tuple, doc: str):
+def build_seconds(cache: Path, since: float) -> float | None:
+    """Seconds the tiny models built during this run took (their build_info.json), None if none was built."""
+    infos = [json.loads(p.read_text()) for p in cache.glob("tiny-*/build_info.json") if p.stat().st_mtime >= since]
+    return round(sum(i["build_seconds"] for i in infos), 1) if infos else None
+
+
+def main(
+    script: str,
+    out_name: str,
+    target_success: float,
+    target_wall_s: float,
+    thresholds: tuple,
+    doc: str,
+    rungs: dict | None = None,
+    warm_judged: bool = False,
+):
+    """rungs: {extra flags: (target success, target wall s)} for variants judged on targets of their own (e.g.
+    ("--no-slippery",)). warm_judged: the target is judged on a warm-cache run (training time; the build is reported
+    on its own line), else on a cold one (the build counts)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warm-cache", action="store_true", help="reuse STARPO_CACHE instead of a fresh cache")
@@ -151,6 +171,13 @@ def main(script: str, out_name: str, target_success: float, target_wall_s: float
         + list(a.extra)
     )
     run = run_script(script, flags, a.warm_cache)
-    judged = not a.warm_cache and a.steps is None and a.val_size is None and not a.extra
+    rungs = rungs or {}
+    target_success, target_wall_s = rungs.get(tuple(a.extra), (target_success, target_wall_s))
+    judged = (
+        a.warm_cache == warm_judged
+        and a.steps is None
+        and a.val_size is None
+        and (not a.extra or tuple(a.extra) in rungs)
+    )
     result = summarise(run, f"python {script} " + " ".join(flags), target_success, target_wall_s, thresholds, judged)
-    write_result(a.out, {"cold_cache": not a.warm_cache, **result})
+    write_result(a.out, {"cold_cache": not a.warm_cache, "build_s": run.get("build_s"), **result})
