@@ -1479,7 +1479,9 @@ def world_model_warmup(args: Args, model_path: str, device: str) -> str:
     tok.pad_token = tok.pad_token or tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=remote).to(device)
     rows = common.sft_rows(tok, tiny_warmup_examples(args, fixed=()))
-    common.write_line(f"world-model warm-up: {args.warmup_steps} steps of {args.warmup_batch_size} ({len(rows)} turns)")
+    common.write_line(
+        f"world-model warm-up: {args.warmup_steps} steps of {args.warmup_batch_size} ({len(rows)} episodes)"
+    )
     common.sft(
         model,
         rows,

@@ -788,3 +788,28 @@ def test_context_overflow_ends_episodes_cleanly(tmp_path, window):
     rows = read(tmp_path / "metrics.jsonl")
     assert rows[1]["train/context_overflow"] == 8 and rows[1]["train/num_turns"] == 0 and rows[0]["val/success"] == 0
     assert math.isfinite(rows[1]["actor/pg_loss"]) and rows[1]["actor/skipped_updates"] == 0
+
+
+def test_world_model_warmup_runs_before_rl_and_a_resume_reuses_it(tmp_path, capsys):
+    """--warmup-steps: the world-model SFT runs once, saves <run>/warmup/, RL starts from it (config's model_path),
+    the weights moved, and --resume finds it done instead of warming up again."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out, flags = (
+        tmp_path / "run",
+        [*IN_PROCESS, "--warmup-steps", "2", "--warmup-batch-size", "2", "--warmup-lr", "1e-3"],
+    )
+    fl.main([*flags, "--output-dir", str(out), "--steps", "1", "--save-every", "1"])
+    warm = out / "warmup"
+    assert "world-model warm-up: 2 steps of 2" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["model_path"] == str(warm)
+    tiny = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(fl.Args()), **fl.TINY_BUILD)
+    before = AutoModelForCausalLM.from_pretrained(tiny, trust_remote_code=False).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(warm, trust_remote_code=False).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    stamp = (warm / "model.safetensors").stat().st_mtime_ns
+    fl.main([*flags, "--output-dir", str(out), "--steps", "2", "--resume"])
+    assert "world-model warm-up" not in capsys.readouterr().out
+    assert (warm / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [0, 1, 2]
