@@ -50,6 +50,17 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+def pooled_chi_square(by_state: dict, actions) -> tuple[float, int]:
+    """Chi-square of move counts against uniform, summed over the state classes seen at least 20 times, and its df."""
+    chi2, df = 0.0, 0
+    for counts in by_state.values():
+        n = sum(counts.values())
+        if n >= 20:
+            chi2 += sum((counts[a] - n / len(actions)) ** 2 / (n / len(actions)) for a in actions)
+            df += len(actions) - 1
+    return chi2, df
+
+
 def test_warmup_moves_are_uniform_whatever_the_state(played):
     """Chi-square of move counts within each state class (what each move would do, and where the goal lies: all a
     policy could prefer a move by) against the uniform distribution: a solver's or a greedy rule's moves fail it."""
@@ -59,12 +70,7 @@ def test_warmup_moves_are_uniform_whatever_the_state(played):
         state = re.sub(r"\d", "#", m.world_model_think(env))  # the class: outcomes and offsets, not coordinates
         actions, _ = m.parse_actions(m.parse_reply(reply)[1], 5)
         by_state[state].update(actions)
-    chi2, df = 0.0, 0
-    for counts in by_state.values():
-        n = sum(counts.values())
-        if n >= 20:
-            chi2 += sum((counts[a] - n / 4) ** 2 / (n / 4) for a in m.ACTIONS)
-            df += 3
+    chi2, df = pooled_chi_square(by_state, m.ACTIONS)
     assert df >= 6 and chi2 < chi_square_critical(df), (chi2, df)
 
 
@@ -77,12 +83,7 @@ def test_the_uniform_test_catches_a_warmup_that_prefers_good_moves(played):
         safe = [a for a in m.ACTIONS if re.search(rf"{a} (_|G|box)", think)] or list(m.ACTIONS)
         toward = [a for a in safe if f" {a}" in think.split(".")[0]] or safe
         by_state[re.sub(r"\d", "#", think)][toward[0]] += 1
-    chi2, df = 0.0, 0
-    for counts in by_state.values():
-        n = sum(counts.values())
-        if n >= 20:
-            chi2 += sum((counts[a] - n / 4) ** 2 / (n / 4) for a in m.ACTIONS)
-            df += 3
+    chi2, df = pooled_chi_square(by_state, m.ACTIONS)
     assert chi2 > chi_square_critical(df)
 
 
