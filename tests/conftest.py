@@ -17,6 +17,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped elsewhere")
 
 
+# The keys of one turn in a multi-turn rollouts.jsonl record (rollout_record; the README's schema).
+TURN_RECORD_KEYS = {"state", "view", "text", "think", "world", "answer", "actions", "env_reward", "score", "rubric"}
+
+
 def run_script_file(script: str, *flags, timeout: float = 900, env_extra: dict | None = None):
     """Run one of the training scripts as a user would (a subprocess in the repository root); output captured."""
     env = dict(os.environ, **(env_extra or {}))

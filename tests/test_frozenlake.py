@@ -18,7 +18,7 @@ import torch
 import common
 import report
 import starpo_frozenlake as fl
-from conftest import FakeTok, run_script_file, scripted
+from conftest import TURN_RECORD_KEYS, FakeTok, run_script_file, scripted
 
 OPEN_4X4 = ["FFFF", "FSFF", "FFFF", "FFFG"]  # no holes: the player at (1, 1)
 UNUSED_DIR = str(Path(tempfile.gettempdir()) / "frozenlake-test-args-never-written")  # resolve_args needs a run dir
@@ -326,18 +326,7 @@ def test_rollout_record_schema_and_report_draws_the_lake():
     assert (rec["step"], rec["split"], rec["task"], rec["seed"]) == (3, "train", "frozenlake", 0)
     assert rec["score"] == pytest.approx(-0.1) and rec["env_reward"] == 0.0 and rec["success"] is False
     turn = rec["turns"][0]
-    assert set(turn) == {
-        "state",
-        "view",
-        "text",
-        "think",
-        "world",
-        "answer",
-        "actions",
-        "env_reward",
-        "score",
-        "rubric",
-    }
+    assert set(turn) == TURN_RECORD_KEYS
     assert turn["actions"] == ["Right"] and turn["rubric"]["format_penalty"] == -1.0 and turn["env_reward"] == 0.0
     assert turn["score"] == pytest.approx(-0.1)
     json.dumps(rec)  # one line of rollouts.jsonl

@@ -10,7 +10,7 @@ import torch
 
 import common
 import starpo_sokoban as ss
-from conftest import run_script_file
+from conftest import TURN_RECORD_KEYS, run_script_file
 
 # ---- rules ------------------------------------------------------------------------------------------------------
 
@@ -551,18 +551,7 @@ def check_run(run_dir, out: str, gae: bool):
     for r in rollouts:
         assert r["task"] == "sokoban" and isinstance(r["success"], bool) and 1 <= len(r["turns"]) <= 5
         for t in r["turns"]:
-            assert set(t) == {
-                "state",
-                "view",
-                "text",
-                "think",
-                "world",
-                "answer",
-                "actions",
-                "env_reward",
-                "score",
-                "rubric",
-            }
+            assert set(t) == TURN_RECORD_KEYS
             assert set(t["rubric"]) == {"env_reward", "format_penalty", "format_reward", "world_model"}
             assert set(t["view"]) == {"grid", "legend", "player", "boxes", "targets"}
     # the report draws the room from the environment's own view of it, and the room after the last move
