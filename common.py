@@ -548,7 +548,7 @@ def token_ids_digest(rows: list[tuple[list[int], list[int]]]) -> str:
 
 
 def sft(model, rows, steps: int, batch_size: int, lr: float, pad_id: int, seed: int = 0, log=print, device="cpu"):
-    """Supervised fine-tuning on (token ids, prompt length) rows, loss on the reply only: AdamW, 10 warm-up steps,
+    """Supervised fine-tuning on sft_batch rows (token ids, prompt length or 0/1 loss mask): AdamW, 10 warm-up steps,
     cosine decay, gradient clip 1. Batches are drawn with replacement from random.Random(seed). Logs a line every
     tenth of the steps with the time left; returns the last loss. Used by the tiny-model build and --warmup-steps."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
