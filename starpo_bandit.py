@@ -424,13 +424,19 @@ def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size):
+def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size, turn_cache=None):
     """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
 
     Same rules as vLLM here: temperature, top-p, no top-k, no penalties. Why not model.generate? Members of a
     group share their prompt, so we prefill each distinct prompt once and copy its KV cache to the group: the
     prompt is most of the compute on a CPU (the bandit's 8 x 8 batch has 8 distinct prompts). The log-probs are
     those of the tempered distribution, which is what the update pass recomputes.
+
+    turn_cache (multi-turn rollouts; a common.TurnCache): a prompt that extends one of the previous call's
+    prompt + reply prefills only its new tokens (the observation) on top of the stored cache, instead of the whole
+    episode again, and every reply's cache is stored for the next call. Each row's past is left-padded to the
+    longest, and its new tokens are left-padded after it: the padding in between is masked and skipped by the
+    position ids, so the sampled tokens and log-probs are those of a full re-prefill.
     """
     stops = torch.tensor(stop_token_ids(tok))
     device = next(model.parameters()).device
@@ -441,14 +447,17 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
         row = torch.tensor(
             [distinct.index(tuple(p)) for p in chunk], device=device
         )  # (b,): chunk row -> distinct prompt
-        width = max(len(p) for p in distinct)
+        pasts = [turn_cache.take(list(p)) if turn_cache else (0, None) for p in distinct]  # (stored length, kv)
+        cache, past_attn = common.cache_from_rows(pasts, device)  # (u, C): an empty cache when nothing is stored
+        fresh = [p[n:] for p, (n, _) in zip(distinct, pasts)]  # the tokens to prefill now
+        width = max(len(p) for p in fresh)
         input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
         attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
-        for j, p in enumerate(distinct):
+        for j, p in enumerate(fresh):
             input_ids[j, width - len(p) :] = torch.tensor(p)
             attn[j, width - len(p) :] = 1
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P): left padding must not shift positions
-        cache = common.append_in_place_cache()
+        attn = torch.cat([past_attn, attn], dim=1)  # (u, C + P)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, -width:]  # (u, P): padding must not shift positions
         out = model(
             input_ids=input_ids,
             attention_mask=attn,
@@ -458,7 +467,8 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
             logits_to_keep=1,
         )
         cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
-        logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, P), (b, 1)
+        logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, C + P), (b, 1)
+        prompt_cols = attn.shape[1]
         tokens, logps = [], []
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)  # (b,)
         for _ in range(max_tokens):
@@ -470,14 +480,21 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
             done |= torch.isin(nxt, stops.to(device))
             if done.all():
                 break
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, P + t)
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, C + P + t)
             pos = pos + 1
             out = model(
                 input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
             )
             logits = out.logits[:, -1]  # (b, V)
         new, new_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (b, R)
-        results += [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
+        replies = [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
+        for k, (ids, _) in enumerate(replies if turn_cache is not None else []):
+            # the cache holds the prompt and every reply token but the last (sampled, never fed back)
+            cols = torch.cat([attn[k, :prompt_cols].nonzero().squeeze(-1), prompt_cols + torch.arange(len(ids) - 1)])
+            turn_cache.put(list(chunk[k]) + ids[:-1], common.cache_row(cache, k, cols.to(device)))
+        results += replies
+    if turn_cache is not None:
+        turn_cache.commit()
     return results
 
 
@@ -1195,7 +1212,10 @@ def main(argv=None):
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
-    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote).to(device)
+    attn = common.attention_implementation(device)  # CPU: grouped-query attention without copying the KV cache
+    load = lambda path: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        path, dtype=dtype, attn_implementation=attn, trust_remote_code=remote
+    ).to(device)
     policy = load(policy_path)
     ref = load(model_path).eval() if args.kl_coef > 0 else None
     critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None

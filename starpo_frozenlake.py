@@ -668,13 +668,19 @@ def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
 
 # Copied from starpo_bandit.hf_generate
 @torch.no_grad()
-def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size):
+def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size, turn_cache=None):
     """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
 
     Same rules as vLLM here: temperature, top-p, no top-k, no penalties. Why not model.generate? Members of a
     group share their prompt, so we prefill each distinct prompt once and copy its KV cache to the group: the
     prompt is most of the compute on a CPU (the bandit's 8 x 8 batch has 8 distinct prompts). The log-probs are
     those of the tempered distribution, which is what the update pass recomputes.
+
+    turn_cache (multi-turn rollouts; a common.TurnCache): a prompt that extends one of the previous call's
+    prompt + reply prefills only its new tokens (the observation) on top of the stored cache, instead of the whole
+    episode again, and every reply's cache is stored for the next call. Each row's past is left-padded to the
+    longest, and its new tokens are left-padded after it: the padding in between is masked and skipped by the
+    position ids, so the sampled tokens and log-probs are those of a full re-prefill.
     """
     stops = torch.tensor(stop_token_ids(tok))
     device = next(model.parameters()).device
@@ -685,14 +691,17 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
         row = torch.tensor(
             [distinct.index(tuple(p)) for p in chunk], device=device
         )  # (b,): chunk row -> distinct prompt
-        width = max(len(p) for p in distinct)
+        pasts = [turn_cache.take(list(p)) if turn_cache else (0, None) for p in distinct]  # (stored length, kv)
+        cache, past_attn = common.cache_from_rows(pasts, device)  # (u, C): an empty cache when nothing is stored
+        fresh = [p[n:] for p, (n, _) in zip(distinct, pasts)]  # the tokens to prefill now
+        width = max(len(p) for p in fresh)
         input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
         attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
-        for j, p in enumerate(distinct):
+        for j, p in enumerate(fresh):
             input_ids[j, width - len(p) :] = torch.tensor(p)
             attn[j, width - len(p) :] = 1
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P): left padding must not shift positions
-        cache = common.append_in_place_cache()
+        attn = torch.cat([past_attn, attn], dim=1)  # (u, C + P)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, -width:]  # (u, P): padding must not shift positions
         out = model(
             input_ids=input_ids,
             attention_mask=attn,
@@ -702,7 +711,8 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
             logits_to_keep=1,
         )
         cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
-        logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, P), (b, 1)
+        logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, C + P), (b, 1)
+        prompt_cols = attn.shape[1]
         tokens, logps = [], []
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)  # (b,)
         for _ in range(max_tokens):
@@ -714,14 +724,21 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size)
             done |= torch.isin(nxt, stops.to(device))
             if done.all():
                 break
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, P + t)
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, C + P + t)
             pos = pos + 1
             out = model(
                 input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
             )
             logits = out.logits[:, -1]  # (b, V)
         new, new_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (b, R)
-        results += [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
+        replies = [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
+        for k, (ids, _) in enumerate(replies if turn_cache is not None else []):
+            # the cache holds the prompt and every reply token but the last (sampled, never fed back)
+            cols = torch.cat([attn[k, :prompt_cols].nonzero().squeeze(-1), prompt_cols + torch.arange(len(ids) - 1)])
+            turn_cache.put(list(chunk[k]) + ids[:-1], common.cache_row(cache, k, cols.to(device)))
+        results += replies
+    if turn_cache is not None:
+        turn_cache.commit()
     return results
 
 
@@ -931,6 +948,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
     describe() for the record. An episode ends when the environment says done, when its move budget is spent,
     after --max-turns, or when its next turn would not fit under --max-model-len (train/context_overflow; a first
     prompt that does not fit gets no turn at all) instead of crashing the model mid-batch.
+    generate(prompts, temperature, turn_cache) -> [(reply ids, log-probs)]; the turn cache is the rollout's own.
     """
     envs = [make_env(args) for _ in seeds]
     obs = [env.reset(seed) for env, seed in zip(envs, seeds)]
@@ -941,6 +959,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         trajs.append(Trajectory(seed, len(ids), list(ids), [0] * len(ids), [0.0] * len(ids)))
     stops = set(stop_token_ids(tok))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn_cache = common.TurnCache()  # hf: each episode's KV cache to the next turn; lives as long as this rollout
     active = [i for i, t in enumerate(trajs) if len(t.ids) + args.max_tokens <= args.max_model_len]
     for i in set(range(len(trajs))) - set(active):
         trajs[i].context_overflow = True
@@ -948,7 +967,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         if not active:
             break
         contexts = [context_ids(trajs[i], args.max_context_turns) for i in active]
-        replies = generate([c for c, _ in contexts], temperature)
+        replies = generate([c for c, _ in contexts], temperature, turn_cache)
         still_active = []
         for i, (_, resume), (r_ids, r_logps) in zip(active, contexts, replies):
             t, env = trajs[i], envs[i]
@@ -1085,7 +1104,7 @@ def collate(rows: list[Row], pad_id: int, device) -> dict:
     input_ids (B, T):      [p p p r r o o r r pad]
     loss_mask (B, T - 1):    [0 0 1 1 0 0 1 1 0  ]   = mask[1:]: 1 = sampled by the model
     group     (B,):        rows with the same first prompt share a number (a group), so an update's
-                           mini-batch keeps a group together
+                           mini-batch keeps a group together and its prompt runs once (hidden_states)
     """
     T = max(len(r.ids) for r in rows)
     B = len(rows)
@@ -1107,6 +1126,7 @@ def collate(rows: list[Row], pad_id: int, device) -> dict:
         loss_mask=mask[:, 1:],
         gen_logprobs=gen_logprobs[:, 1:],
         length=attn.sum(-1),
+        first_len=torch.tensor([r.first_len for r in rows]),
         group=group,
     )
     return {k: v.to(device) for k, v in batch.items()}
@@ -1118,6 +1138,7 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
     L = int(batch["length"][idx].max())
     view = {k: batch[k][idx, :L] for k in ("input_ids", "attention_mask")}
     view.update({k: batch[k][idx, : L - 1] for k in ("targets", "loss_mask")}, cols=L - 1, idx=idx)
+    view.update({k: batch[k][idx] for k in ("length", "first_len", "group")})
     return view
 
 
@@ -1140,8 +1161,55 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, mb: dict) -> torch.Tensor:
-        h = self.body(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).last_hidden_state  # (b, L, H)
+        h = hidden_states(self.body, mb)  # (b, L, H)
         return self.head(h[:, :-1].float()).squeeze(-1)  # (b, L - 1): the state just before each next token
+
+
+# Copied from starpo_sokoban.hidden_states
+def hidden_states(body, mb: dict) -> torch.Tensor:
+    """The last hidden states of mb's rows, (b, L, H), with each group's first prompt run once.
+
+    Every row starts with its trajectory's first prompt and the rows of a group share it, so the distinct prompts
+    run once (u rows, cut at the longest, F), their KV cache is copied to the rows (an index: gradients from every
+    row flow back into the one prompt pass), and each row's rest runs on top at its own positions (the padding in
+    between masked). The states then go back to the rows' own columns: the same numbers as one pass over the full
+    rows (tested, values and gradients), for u * F + b * R tokens instead of b * (F + R).
+    """
+    from transformers import DynamicCache
+
+    groups = mb["group"].tolist()
+    distinct = list(dict.fromkeys(groups))
+    lead = torch.tensor([groups.index(g) for g in distinct], device=mb["group"].device)  # (u,): a row per group
+    row = torch.tensor([distinct.index(g) for g in groups], device=lead.device)  # (b,): row -> its group's prompt
+    first, length = mb["first_len"], mb["length"]  # (b,) each
+    F, R = int(first.max()), int((length - first).max())
+    cols = torch.arange(F, device=lead.device)
+    prompt_attn = (cols[None] < first[lead, None]).long()  # (u, F): a shorter prompt's tail is masked
+    cache = DynamicCache()
+    out = body(
+        input_ids=mb["input_ids"][lead, :F],
+        attention_mask=prompt_attn,
+        position_ids=cols[None].expand(len(lead), -1),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    h = out.last_hidden_state[row]  # (b, F, H)
+    if R > 0:
+        rest = first[:, None] + torch.arange(R, device=lead.device)[None]  # (b, R): each row's columns after it
+        rest_attn = (rest < length[:, None]).long()  # (b, R): right padding
+        cache.batch_select_indices(row)  # (u, ...) -> (b, ...)
+        out = body(
+            input_ids=mb["input_ids"].gather(1, rest.clamp(max=mb["input_ids"].shape[1] - 1)),
+            attention_mask=torch.cat([prompt_attn[row], rest_attn], dim=1),  # (b, F + R)
+            position_ids=rest,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        h = torch.cat([h, out.last_hidden_state], dim=1)  # (b, F + R, H)
+    L = mb["input_ids"].shape[1]
+    t = torch.arange(L, device=lead.device)[None]  # (1, L)
+    where = torch.where(t < first[:, None], t, F + t - first[:, None]).clamp(max=h.shape[1] - 1)  # (b, L)
+    return h.gather(1, where[..., None].expand(-1, -1, h.shape[-1]))  # (b, L, H); padding columns: any state
 
 
 # Copied from starpo_sokoban.policy_forward
@@ -1151,7 +1219,7 @@ def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, t
     Only the trained positions go through the LM head: observation tokens get no logits at all, so they can never
     leak into the policy loss or the entropy (and a 150k-word vocabulary never meets 3600 positions at once).
     """
-    h = model.base_model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).last_hidden_state  # (b, L, H)
+    h = hidden_states(model.base_model, mb)  # (b, L, H)
     trained = mb["loss_mask"].bool()  # (b, L - 1)
     logits = model.get_output_embeddings()(h[:, :-1][trained]).float() / temperature  # (M, V): M trained tokens
     logp = torch.zeros(trained.shape, device=h.device)  # (b, L - 1)
@@ -1602,7 +1670,10 @@ def main(argv=None):
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
-    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote).to(device)
+    attn = common.attention_implementation(device)  # CPU: grouped-query attention without copying the KV cache
+    load = lambda path: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        path, dtype=dtype, attn_implementation=attn, trust_remote_code=remote
+    ).to(device)
     policy = load(policy_path)
     ref = load(model_path).eval() if args.kl_coef > 0 else None
     critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None
@@ -1619,13 +1690,15 @@ def main(argv=None):
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend)
     run = common.Run(args, TASK, resume_from, policy, tok, state, config, echo_trap_warnings)
 
-    def generate(prompts, temperature):
+    def generate(prompts, temperature, turn_cache=None):
         policy.eval()
         with run.timer("gen"):
-            if llm is not None:
+            if llm is not None:  # vLLM's prefix cache reuses the episode so far by itself
                 return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
             with autocast:
-                return hf_generate(policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
+                return hf_generate(
+                    policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size, turn_cache
+                )
 
     scale = baselines(args)  # the same reference points for every evaluation, computed once
     common.write_line("evaluation set: " + "  ".join(f"{k} {v:.3f}" for k, v in scale.items()))

@@ -166,7 +166,9 @@ def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = common.build_tiny_model("bandit", sb.tiny_warmup_examples([("Phoenix", "Dragon")]))
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    attn = common.attention_implementation("cpu")  # what the script loads on a CPU
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
 def test_tiny_model_is_a_loadable_qwen2_with_chat_format(tiny):

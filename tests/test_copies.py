@@ -24,6 +24,7 @@ MULTI_TURN_CORE = {
     "collate",
     "micro_view",
     "policy_forward",
+    "hidden_states",
     "Critic",
     "evaluate",
     "episode_stats",

@@ -217,7 +217,7 @@ def test_missing_answer_is_penalised_and_the_episode_goes_on():
     args = args_for("--max-turns", "2")
     tok, n = FakeTok(), []
 
-    def generate(prompts, temperature):
+    def generate(prompts, temperature, turn_cache=None):
         n.append(1)
         text = "I just talk" if len(n) == 1 else "<think> t </think> <answer> Right </answer>"
         return [(tok(text)["input_ids"] + [1], [0.0] * (len(text) + 1)) for _ in prompts]
@@ -306,7 +306,7 @@ def test_truncated_reply_is_closed_untrained_and_flagged():
     args = args_for("--max-turns", "2")
     tok = FakeTok()
 
-    def generate(prompts, temperature):
+    def generate(prompts, temperature, turn_cache=None):
         text = "<think> t </think> <answer> Right"  # cut mid-answer
         return [(tok(text)["input_ids"], [-0.5] * len(text)) for _ in prompts]
 
@@ -411,7 +411,12 @@ def tiny():
 
     path = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(args_for()), **fl.TINY_BUILD)
     return (
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).eval(),
+        AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch.float32,
+            attn_implementation=common.attention_implementation("cpu"),
+            trust_remote_code=False,
+        ).eval(),
         AutoTokenizer.from_pretrained(path, trust_remote_code=False),
     )
 
@@ -422,8 +427,8 @@ def recorded_rollout(tiny, flags, n=6, temperature=0.8):
     args = args_for("--max-turns", "3", *flags)
     record = []
 
-    def generate(prompts, temp):
-        out = fl.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64)
+    def generate(prompts, temp, turn_cache):
+        out = fl.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64, turn_cache)
         record.append((prompts, out))
         return out
 

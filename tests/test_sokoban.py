@@ -244,14 +244,16 @@ def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = common.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args()), **ss.TINY_BUILD)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    attn = common.attention_implementation("cpu")  # what the script loads on a CPU
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
 def scripted(tok, replies: list[str], log: list):
     """A generate() for ONE rollout that answers turn j with replies[j]; a trailing '~' = cut at max_tokens."""
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
 
-    def generate(prompts, temperature):
+    def generate(prompts, temperature, turn_cache=None):
         assert len(prompts) == 1
         text = replies[len(log)]
         log.append(prompts)
@@ -397,6 +399,77 @@ def test_place_rewards_full_history_and_per_turn(tiny):
 # ---- log-prob consistency: generation vs the update pass ---------------------------------------------------------
 
 
+def test_hidden_states_runs_each_first_prompt_once_and_equals_a_full_pass(tiny):
+    """The update's forward pass runs a group's shared first prompt once, yet gives the states and the gradients of
+    one pass over the full rows: two groups with first prompts of different lengths, rests of different lengths,
+    and a row with nothing after its prompt (an overflowed first prompt)."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(0)
+    draw = lambda n: torch.randint(5, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    a, b = draw(7), draw(11)
+    rows = [(a, draw(5)), (a, draw(9)), (b, draw(3)), (b, []), (a, draw(2))]
+    rows = [ss.Row(i, p + r, [0] * len(p) + [1] * len(r), [0.0] * (len(p) + len(r)), [], [], len(p))
+            for i, (p, r) in enumerate(rows)]  # fmt: skip
+    mb = ss.micro_view(ss.collate(rows, 0, "cpu"), torch.arange(len(rows)))
+    shapes = []
+    hook = model.base_model.register_forward_pre_hook(
+        lambda m, args, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True
+    )
+    weights = torch.randn(*mb["input_ids"].shape, model.config.hidden_size, generator=g)
+    valid = mb["attention_mask"].bool()
+    results = []
+    try:
+        for shared in (True, False):
+            model.zero_grad()
+            if shared:
+                h = ss.hidden_states(model.base_model, mb)
+            else:
+                h = model.base_model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).last_hidden_state
+            (h[valid] * weights[valid]).sum().backward()
+            results.append((h[valid].detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    assert shapes[:2] == [(2, 11), (5, 9)]  # the two distinct prompts once, then every row's rest
+    (h_shared, g_shared), (h_full, g_full) = results
+    torch.testing.assert_close(h_shared, h_full, atol=1e-5, rtol=1e-4)
+    assert len(g_shared) == len(g_full) > 10
+    for x, y in zip(g_shared, g_full):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("k", [None, 1])
+def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
+    """Cross-turn KV reuse is exact: under the same random stream a rollout that prefills only each turn's new
+    tokens samples the same tokens with the same log-probs as one that prefills the whole episode every turn, across
+    two chunks of a batch, shared first prompts and ragged lengths. With --max-context-turns 1 the window drops
+    old turns, so every later turn misses and is prefilled whole (still the same samples)."""
+    model, tok = tiny
+    args = ss.Args(max_tokens=48, max_context_turns=k, max_turns=4)
+    caches, calls = [], []
+
+    def generate(prompts, temp, turn_cache):
+        caches.append(turn_cache)
+        calls.append(len({(i // 4, tuple(p)) for i, p in enumerate(prompts)}))  # distinct prompts per chunk of 4
+        return ss.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 4, turn_cache)
+
+    runs = []
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        gen = generate if reuse else (lambda prompts, temp, turn_cache: generate(prompts, temp, None))
+        runs.append(ss.rollout(gen, tok, [10**9 + i // 2 for i in range(6)], args, 0.7, ss.RUBRIC))
+    full, reused = runs
+    assert [t.ids for t in full] == [t.ids for t in reused]
+    for a, b in zip(full, reused):
+        torch.testing.assert_close(torch.tensor(b.gen_logprobs), torch.tensor(a.gen_logprobs), atol=1e-4, rtol=0)
+    cache, calls = caches[-1], calls[len(calls) // 2 :]  # the reusing run's cache and its calls
+    assert len(calls) >= 3  # the episodes did go on
+    # turn 1 has nothing stored; with k = 1 turn 2 still extends turn 1 (the window is not full yet), then misses
+    assert (cache.hits, cache.misses) == (
+        (sum(calls[1:]), calls[0]) if k is None else (calls[1], calls[0] + sum(calls[2:]))
+    )
+
+
 @pytest.mark.parametrize("k", [None, 1])
 def test_generation_logprobs_match_update_pass(tiny, k):
     """hf backend, float32, real multi-turn rollouts of different lengths in one batch: the training pass re-scores
@@ -404,7 +477,7 @@ def test_generation_logprobs_match_update_pass(tiny, k):
     model, tok = tiny
     torch.manual_seed(0)
     args = ss.Args(max_tokens=64, max_context_turns=k)
-    gen = lambda prompts, temp: ss.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64)  # noqa: E731
+    gen = lambda prompts, temp, cache: ss.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64, cache)  # noqa: E731
     trajs = ss.rollout(gen, tok, [10**9 + i for i in range(6)], args, 0.7, ss.RUBRIC)
     rows_ = ss.training_rows(trajs, k)
     assert len({len(r.ids) for r in rows_}) >= 3  # ragged
