@@ -596,8 +596,31 @@ TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VERSION = 2  # bump when the recipe changes so stale caches are rebuilt
 
 
+# The multi-turn tiny models ship with the repository (tiny/, written by `python tools/ship_tiny.py`): their builds
+# take 6-10 minutes on two cores; the bandit's, 1.5 minutes, happens on first use. A shipped model is used only
+# when its name carries the key of today's recipe and warm-up data, so an edited prompt still builds its own.
+SHIPPED_TINY = Path(__file__).resolve().parent / "tiny"
+
+
 def tiny_cache_root() -> Path:
     return Path(os.environ.get("STARPO_CACHE", Path.home() / ".cache" / "starpo"))
+
+
+def tiny_recipe(seed, vocab_size, hidden_size, num_layers, sft_steps, sft_batch_size, sft_lr) -> dict:
+    """What a tiny model's build depends on besides its warm-up data (TINY_VERSION and torch's version included)."""
+    spec = dict(seed=seed, vocab=vocab_size, hidden=hidden_size, layers=num_layers)
+    return dict(
+        v=TINY_VERSION, **spec, steps=sft_steps, bs=sft_batch_size, lr=sft_lr, torch=torch.__version__.split("+")[0]
+    )
+
+
+def tiny_model_name(name: str, examples: list, **build_kwargs) -> str:
+    """The folder build_tiny_model(name, examples, **build_kwargs) builds into: tiny-<name>-<hash of recipe + data>."""
+    bound = inspect.signature(build_tiny_model).bind(name, examples, **build_kwargs)
+    bound.apply_defaults()
+    kw = {k: v for k, v in bound.arguments.items() if k not in ("name", "examples", "log")}
+    key = hashlib.sha256(json.dumps([tiny_recipe(**kw), examples], sort_keys=True).encode()).hexdigest()[:12]
+    return f"tiny-{name}-{key}"  # (build_tiny_model names its folder the same way)
 
 
 def sft_batch(rows: list[tuple[list[int], int | list[int]]], pad_id: int):
@@ -687,23 +710,15 @@ def build_tiny_model(
     """Build (or reuse from the cache) the embedded tiny model for one task and return its directory.
 
     examples: (chat messages, assistant reply) pairs for the format warm-up. The cache key hashes the examples
-    and the recipe, so editing the prompt rebuilds the model; the build is deterministic from `seed`.
+    and the recipe, so editing the prompt rebuilds the model; the build is deterministic from `seed`. A build in
+    the cache wins; else one shipped in the repository's tiny/ under the same name; else it is built here.
     """
-    recipe = dict(
-        v=TINY_VERSION,
-        seed=seed,
-        vocab=vocab_size,
-        hidden=hidden_size,
-        layers=num_layers,
-        steps=sft_steps,
-        bs=sft_batch_size,
-        lr=sft_lr,
-        torch=torch.__version__.split("+")[0],
-    )
+    recipe = tiny_recipe(seed, vocab_size, hidden_size, num_layers, sft_steps, sft_batch_size, sft_lr)
     key = hashlib.sha256(json.dumps([recipe, examples], sort_keys=True).encode()).hexdigest()[:12]
     out = tiny_cache_root() / f"tiny-{name}-{key}"
-    if (out / "build_info.json").exists():
-        return out
+    for found in (out, SHIPPED_TINY / out.name):  # a build of your own first, then the repository's
+        if (found / "build_info.json").exists():
+            return found
 
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

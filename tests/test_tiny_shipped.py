@@ -1,0 +1,56 @@
+"""The multi-turn tiny models shipped in tiny/ are today's builds (their names carry the key of the scripts' current
+recipe and warm-up), match tiny/SHA256SUMS, stay under 16 MB, and are what build_tiny_model returns on an empty
+cache. After changing a warm-up, TINY_BUILD or TINY_VERSION: `python tools/ship_tiny.py`."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import common
+import starpo_frozenlake as fl
+import starpo_sokoban as ss
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import ship_tiny  # noqa: E402
+
+SCRIPTS = {"frozenlake": fl, "sokoban": ss}
+
+
+def shipped_torch() -> set:
+    return {json.loads(p.read_text())["torch"] for p in common.SHIPPED_TINY.glob("tiny-*/build_info.json")}
+
+
+@pytest.fixture(autouse=True)
+def same_torch():
+    if shipped_torch() != {torch.__version__.split("+")[0]}:  # the key holds torch's version: others build their own
+        pytest.skip(f"tiny/ holds builds made with torch {sorted(shipped_torch())}; this is torch {torch.__version__}")
+
+
+@pytest.mark.parametrize("task", sorted(SCRIPTS))
+def test_shipped_model_is_todays_build(task, tmp_path):
+    script = SCRIPTS[task]
+    examples, recipe = ship_tiny.default_build(task, str(tmp_path / "run"))
+    assert examples == script.tiny_warmup_examples(script.Args())  # what the tests' own fixtures ask for, too
+    name = common.tiny_model_name(task, examples, **recipe)
+    shipped = sorted(p.name for p in common.SHIPPED_TINY.glob(f"tiny-{task}-*"))
+    assert shipped == [name], f"tiny/ holds {shipped}, today's recipe is {name}: run python tools/ship_tiny.py"
+    assert (common.SHIPPED_TINY / name / "model.safetensors").stat().st_size <= ship_tiny.MAX_MODEL_BYTES
+
+
+def test_shipped_files_match_their_checksums():
+    assert (common.SHIPPED_TINY / "SHA256SUMS").read_text() == ship_tiny.checksums(common.SHIPPED_TINY)
+    assert len(ship_tiny.checksums(common.SHIPPED_TINY).splitlines()) >= 2 * 6  # weights, config, tokenizer, ...
+
+
+def test_an_empty_cache_gets_the_shipped_model_and_an_edited_prompt_does_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("STARPO_CACHE", str(tmp_path / "cache"))
+    examples = ss.tiny_warmup_examples(ss.Args())
+    assert common.build_tiny_model("sokoban", examples, **ss.TINY_BUILD).parent == common.SHIPPED_TINY
+    edited = [(messages, reply + " ") for messages, reply in examples]
+    assert common.tiny_model_name("sokoban", edited, **ss.TINY_BUILD) != common.tiny_model_name(
+        "sokoban", examples, **ss.TINY_BUILD
+    )
+    assert not (tmp_path / "cache").exists()  # nothing was built or copied

@@ -1,0 +1,76 @@
+"""Build the multi-turn tiny models and ship them in tiny/, where common.build_tiny_model finds them when your own
+cache ($STARPO_CACHE) has no build for today's recipe: a first FrozenLake or Sokoban run then starts at once
+instead of after a 6-10 minute build on two cores. The bandit's model (1.5 minutes) is built on first use.
+
+    python tools/ship_tiny.py                # fresh builds in a temporary cache (~16 minutes on two cores)
+    python tools/ship_tiny.py --from-cache   # copy the builds $STARPO_CACHE already holds for today's keys
+
+Run it after changing a multi-turn script's warm-up, its TINY_BUILD or common.TINY_VERSION: tests/test_tiny_shipped.py
+fails until you do. It replaces the task's older shipped builds and rewrites tiny/SHA256SUMS.
+"""
+
+import argparse
+import hashlib
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+TASKS = ("frozenlake", "sokoban")
+MAX_MODEL_BYTES = 16 * 2**20  # what a shipped model.safetensors may weigh
+
+
+def default_build(task: str, scratch: str) -> tuple[list, dict]:
+    """The warm-up examples and build recipe the script's own `--model tiny` run uses (scratch: an unused run dir)."""
+    script = importlib.import_module(f"starpo_{task}")
+    flags = ["--model", "tiny", "--output-dir", scratch]
+    args = script.resolve_args(common.parse_args(script.Args, flags, presets=script.PRESETS, algos=script.ALGOS))[0]
+    return script.tiny_warmup_examples(args), script.TINY_BUILD
+
+
+def checksums(root: Path) -> str:
+    """sha256sum's format for every file of every shipped build, sorted."""
+    lines = []
+    for path in sorted(p for p in root.glob("tiny-*/*") if p.is_file()):
+        lines.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.relative_to(root)}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--from-cache", action="store_true", help="copy existing builds from $STARPO_CACHE")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.from_cache:
+            os.environ["STARPO_CACHE"] = str(Path(tmp) / "cache")
+        common.SHIPPED_TINY = Path(tmp) / "none"  # never answer with what is shipped already
+        for task in TASKS:
+            examples, recipe = default_build(task, str(Path(tmp) / "run"))
+            built = common.tiny_cache_root() / common.tiny_model_name(task, examples, **recipe)
+            if args.from_cache and not (built / "build_info.json").exists():
+                sys.exit(f"error: {built} is not built; run without --from-cache")
+            built = common.build_tiny_model(task, examples, **recipe)
+            size = (built / "model.safetensors").stat().st_size
+            if size > MAX_MODEL_BYTES:
+                sys.exit(
+                    f"error: {built.name} weighs {size / 2**20:.1f} MB, over the {MAX_MODEL_BYTES >> 20} MB allowed"
+                )
+            target = ROOT / "tiny" / built.name
+            for old in (ROOT / "tiny").glob(f"tiny-{task}-*"):
+                if old != target:
+                    shutil.rmtree(old)
+            if not target.exists():
+                shutil.copytree(built, target)
+            print(f"shipped {target.relative_to(ROOT)} ({size / 2**20:.1f} MB)")
+    (ROOT / "tiny" / "SHA256SUMS").write_text(checksums(ROOT / "tiny"))
+    print("wrote tiny/SHA256SUMS")
+
+
+if __name__ == "__main__":
+    main()
