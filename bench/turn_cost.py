@@ -25,7 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [("--max-turns", str(k), "--max-actions-per-turn", "1") for k in range(1, 6)] + [
     ("--max-turns", "5", "--max-actions-per-turn", str(a)) for a in (2, 3)
 ]
-BASE = ["--model", "tiny", "--no-slippery", "--steps", "3", "--eval-every", "0", "--val-size", "8", "--sample-every", "0"]
+BASE = [
+    "--model",
+    "tiny",
+    "--no-slippery",
+    "--steps",
+    "3",
+    "--eval-every",
+    "0",
+    "--val-size",
+    "8",
+    "--sample-every",
+    "0",
+]
 
 
 def run(script: Path, flags: tuple) -> dict:
