@@ -5,7 +5,7 @@ Two halves, clearly separated:
 * MATHS: small pure torch functions (advantages, clipping, filtering, KL, aggregation). They follow veRL's
   semantics (verl.trainer.ppo.core_algos) and each is tested against a plain-Python reference
   and hand-worked cases in `tests/test_common.py`. Read them; they are the algorithm.
-* PLUMBING: flag parsing, a faster KV cache for generation, the embedded tiny model, metrics files. Learners never
+* PLUMBING: flags (parse_args, from flags.py), a faster KV cache for generation, the embedded tiny model, metrics files. Learners never
   need to edit these.
 
 Shapes: B = sequences in the batch, T = token positions, G = groups, n = group size, V = vocabulary.
@@ -13,8 +13,6 @@ Shapes: B = sequences in the batch, T = token positions, G = groups, n = group s
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
 import hashlib
 import inspect
@@ -31,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from flags import parse_args  # noqa: F401  (flag parsing lives in flags.py, which loads without torch)
 
 ########################################################################################################################
 # MATHS
@@ -273,67 +273,6 @@ def fail(flag: str, message: str) -> typing.NoReturn:
     """Print one line naming the bad flag and exit with status 2 (argparse's convention), before any model loads."""
     print(f"error: {flag}: {message}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def _field_docs(cls) -> dict[str, str]:
-    """The docstring written under each dataclass field (the CleanRL / tyro convention), read from the source."""
-    docs: dict[str, str] = {}
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return docs
-    body = tree.body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).strip()
-    return docs
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints the whole usage block; we print the one line that matters
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def parse_args(cls, argv=None, description: str | None = None, presets: dict | None = None, algos: dict | None = None):
-    """Turn a dataclass into kebab-case flags (field `group_size` -> `--group-size`) and parse argv into it.
-
-    presets / algos: {name: {field: value}} (a script's PRESETS and ALGOS), shown in --help next to each field's
-    default. The returned instance carries `given`, the set of fields set on the command line, so that a preset or
-    a resumed run's config fills only the others (a flag you type always wins).
-    """
-    overrides = {f"--preset {k}": v for k, v in (presets or {}).items()} | {
-        f"--algo {k}": v for k, v in (algos or {}).items()
-    }
-
-    def build(suppress: bool) -> argparse.ArgumentParser:
-        parser = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        docs = _field_docs(cls)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            text = docs.get(f.name, " ")
-            shown = [f"{name}: {p[f.name]}" for name, p in overrides.items() if f.name in p]
-            if shown:
-                text += " [" + "; ".join(shown) + "]"
-            tp = hints[f.name]
-            kw = {"default": argparse.SUPPRESS if suppress else f.default, "help": text.replace("%", "%%")}
-            args = typing.get_args(tp)
-            if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-                tp = next(a for a in args if a is not type(None))  # Optional[X] -> X
-                args = typing.get_args(tp)
-            if tp is bool:
-                kw["action"] = argparse.BooleanOptionalAction
-            elif typing.get_origin(tp) is typing.Literal:
-                kw["choices"], kw["type"] = list(args), type(args[0])
-            else:
-                kw["type"] = tp
-            parser.add_argument(flag, **kw)
-        return parser
-
-    args = cls(**vars(build(False).parse_args(argv)))
-    args.given = frozenset(vars(build(True).parse_args(argv)))  # not a field: never saved in config.json
-    return args
 
 
 def busy_cores_elsewhere(seconds: float = 0.5) -> float | None:

@@ -50,11 +50,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Optional
 
-import torch
-import torch.nn as nn
-
-import common
-from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
+import flags  # torch-free: `--help` is answered before torch loads (see flags.answer_help below)
 
 
 @dataclass
@@ -202,6 +198,16 @@ ALGOS = {
     "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
     "starpo-s": dict(keep_ratio=0.25, kl_coef=0.0, clip_high=0.28, dual_clip=3.0),
 }
+
+# `python starpo_x.py --help` prints its help and exits here, before torch loads (seconds): the imports follow.
+flags.answer_help(__name__, Args, __doc__.split("\n")[0], PRESETS, ALGOS)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import common  # noqa: E402
+from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
+
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 TASK = "bandit"
 

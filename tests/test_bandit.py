@@ -2,13 +2,15 @@
 
 import json
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import common
 import starpo_bandit as sb
-from conftest import run_script_file
+from conftest import ROOT, run_script_file
 
 # ---- environment ------------------------------------------------------------------------------------------------
 
@@ -313,6 +315,19 @@ def test_bad_flags_fail_fast_with_one_line(flags, needle, tmp_path):
     assert not out.exists()  # failed before doing anything
     if needle == "--model":
         assert "--model tiny" in lines[0]
+
+
+@pytest.mark.parametrize("script", ["starpo_bandit.py", "starpo_frozenlake.py", "starpo_sokoban.py"])
+def test_help_answers_before_torch_loads(script):
+    """--help prints the flags from the Args dataclass and exits before torch, numpy or transformers are imported
+    (torch alone takes seconds to load): `python -X importtime` lists every module a run imported."""
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", str(ROOT / script), "--help"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert r.returncode == 0 and "--group-size" in r.stdout and "--seed" in r.stdout, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "flags" in imported and "argparse" in imported  # the log is what we think it is
+    assert not imported & {"torch", "numpy", "transformers", "common"}, sorted(imported & {"torch", "numpy"})
 
 
 def test_help_lists_kebab_case_flags_with_docs():
