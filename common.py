@@ -473,7 +473,7 @@ class TurnCache:
     def take(self, prompt: list[int]) -> tuple[int, list | None]:
         """(c, per-layer [(K (heads, c, d), V)]) for the longest stored strict prefix of prompt, or (0, None)."""
         for n in sorted({n for n, _ in self.entries if n < len(prompt)}, reverse=True):
-            for ids, kv in self.entries.get((n, tuple(prompt[n - self.TAIL : n])), ()):
+            for ids, kv in self.entries.get((n, tuple(prompt[max(0, n - self.TAIL) : n])), ()):
                 if prompt[:n] == ids:
                     self.hits += 1
                     return n, kv

@@ -740,8 +740,9 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size,
         replies = [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
         for k, (ids, _) in enumerate(replies if turn_cache is not None else []):
             # the cache holds the prompt and every reply token but the last (sampled, never fed back)
-            cols = torch.cat([attn[k, :prompt_cols].nonzero().squeeze(-1), prompt_cols + torch.arange(len(ids) - 1)])
-            turn_cache.put(list(chunk[k]) + ids[:-1], common.cache_row(cache, k, cols.to(device)))
+            fed = prompt_cols + torch.arange(len(ids) - 1, device=device)  # (len(ids) - 1,)
+            cols = torch.cat([attn[k, :prompt_cols].nonzero().squeeze(-1), fed])
+            turn_cache.put(list(chunk[k]) + ids[:-1], common.cache_row(cache, k, cols))
         results += replies
     if turn_cache is not None:
         turn_cache.commit()

@@ -1136,3 +1136,34 @@ def test_busy_cores_elsewhere_does_not_count_this_process():
         stop.set()
         spinner.join()
     assert busy < base + 0.5, (base, busy)  # counted as elsewhere, it would add about one core
+
+
+def test_turn_cache_finds_the_longest_stored_strict_prefix_from_the_last_call_only():
+    kv = lambda n: [(torch.full((1, n, 2), float(n)), torch.full((1, n, 2), -float(n)))]  # noqa: E731
+    c = common.TurnCache()
+    for ids in ([1, 2, 3], [1, 2, 3, 4, 5], [9] * 10):
+        c.put(ids, kv(len(ids)))
+    c.commit()
+    assert c.take([1, 2, 3, 4, 5, 6])[0] == 5
+    assert c.take([1, 2, 3, 7])[0] == 3
+    assert c.take([1, 2, 3])[0] == 0  # a strict prefix only: something must be left to prefill
+    assert c.take([9] * 10 + [1])[0] == 10
+    assert c.take([8, 2, 3, 4])[0] == 0
+    assert (c.hits, c.misses) == (3, 2)
+    c.put([5, 5], kv(2))
+    c.commit()
+    assert c.take([1, 2, 3, 4, 5, 6]) == (0, None)  # what the previous call stored is gone
+    n, stored = c.take([5, 5, 1])
+    assert n == 2 and torch.equal(stored[0][0], kv(2)[0][0])
+
+
+def test_cache_from_rows_left_pads_each_past_and_masks_the_padding():
+    kv = lambda n: [(torch.full((2, n, 3), 1.0 + n), torch.full((2, n, 3), -1.0 - n))]  # noqa: E731
+    cache, mask = common.cache_from_rows([(2, kv(2)), (0, None), (4, kv(4))], "cpu")
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    assert keys.shape == (3, 2, 4, 3) and cache.get_seq_length() == 4
+    assert keys[0, :, :2].abs().sum() == 0 and (keys[0, :, 2:] == 3.0).all() and (values[2] == -5.0).all()
+    assert keys[1].abs().sum() == 0
+    empty, no_mask = common.cache_from_rows([(0, None)] * 2, "cpu")
+    assert no_mask.shape == (2, 0) and empty.get_seq_length() == 0
