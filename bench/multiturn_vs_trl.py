@@ -77,25 +77,7 @@ def grpo_config(a: fl.Args) -> dict:
         scale_rewards="group",
         entropy_coef=a.entropy_coef,
         mask_truncated_completions=False,
-        learning_rate=a.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=a.weight_decay,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        max_grad_norm=a.grad_clip,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        model_init_kwargs={"dtype": "float32"},
-        seed=a.seed,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        log_completions=False,
-        dataloader_num_workers=0,
+        **vs_trl.trl_plain_cpu(a.lr, a.weight_decay, a.grad_clip, a.seed),
     )
 
 
@@ -149,7 +131,6 @@ def trl_worker(config_path: str) -> None:
     import torch
     import transformers
     import trl
-    from transformers import TrainerCallback
 
     cfg = json.loads(Path(config_path).read_text())
     out_dir = Path(cfg["out_dir"])
@@ -185,19 +166,9 @@ def trl_worker(config_path: str) -> None:
     def episode_score(completions, score, **kwargs) -> list[float]:
         return list(score)  # the script's rubric total for the episode, computed as it was played
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.begins, self.ends = [], []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begins.append(time.time())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.time())
-
     torch.manual_seed(a.seed)
     config = trl.GRPOConfig(output_dir=str(out_dir / "trainer"), **cfg["grpo_config"])
-    timer = StepTimer()
+    timer = vs_trl.step_timer()
     trainer = trl.GRPOTrainer(
         model=cfg["model_dir"],
         reward_funcs=episode_score,
@@ -329,16 +300,7 @@ def main(argv=None):
             out["starpo_over_trl_median_s_per_step"] = round(ratio, 4)
             out["target"] = "starpo median s/step <= 0.25 x TRL's on matched settings"
             out["target_met"] = ratio <= 0.25
-        out["bench_wall_s"] = round(time.time() - t_bench, 1)
-        out["machine"] = {
-            "cpus": os.cpu_count(),
-            "load_avg_at_start": load_at_start,
-            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
-        }
-        out["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        Path(o.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(o.out).write_text(json.dumps(out, indent=1) + "\n")
-        print(json.dumps({k: v for k, v in out.items() if k not in ("grpo_config", "starpo_flags")}, indent=1))
+        vs_trl.write_result(out, Path(o.out), t_bench, load_at_start, ("grpo_config", "starpo_flags"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -190,20 +190,27 @@ def matched_settings(
         entropy_coef=0.001,
         mask_truncated_completions=False,
         # optimiser: AdamW (0.9, 0.999), weight decay 0.01, constant lr, grad clip 1.0 (starpo_bandit's defaults)
+        **trl_plain_cpu(lr, 0.01, 1.0, seed),
+    )
+    return dict(starpo_argv=starpo_argv, grpo_config=grpo_config, completions_per_step=completions)
+
+
+def trl_plain_cpu(lr: float, weight_decay: float, grad_clip: float, seed: int) -> dict:
+    """GRPOConfig's optimiser, machine and bookkeeping arguments both TRL benchmarks share: AdamW (0.9, 0.999) at
+    a constant lr, fp32 on the CPU without gradient checkpointing (the scripts have none either), no saving."""
+    return dict(
         learning_rate=lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        weight_decay=0.01,
+        weight_decay=weight_decay,
         adam_beta1=0.9,
         adam_beta2=0.999,
-        max_grad_norm=1.0,
-        # machine: CPU, fp32, no gradient checkpointing (starpo_bandit has none either)
+        max_grad_norm=grad_clip,
         use_cpu=True,
         bf16=False,
         fp16=False,
         gradient_checkpointing=False,
         model_init_kwargs={"dtype": "float32"},
-        # bookkeeping
         seed=seed,
         logging_steps=1,
         report_to="none",
@@ -212,7 +219,23 @@ def matched_settings(
         log_completions=False,
         dataloader_num_workers=0,
     )
-    return dict(starpo_argv=starpo_argv, grpo_config=grpo_config, completions_per_step=completions)
+
+
+def step_timer():
+    """A transformers TrainerCallback that stamps each optimizer step's begin and end (time.time())."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begins, self.ends = [], []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begins.append(time.time())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.time())
+
+    return StepTimer()
 
 
 def median_step_seconds_starpo(rows: list[dict]) -> list[float]:
@@ -238,27 +261,16 @@ def trl_worker(config_path: str) -> None:
     import datasets
     import transformers
     import trl
-    from transformers import TrainerCallback
 
     cfg = json.loads(Path(config_path).read_text())
     out_dir = Path(cfg["out_dir"])
     transformers.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.begins, self.ends = [], []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begins.append(time.time())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.time())
-
     rows = trl_dataset_rows(cfg["steps"], cfg["n_groups"], cfg["seed"])
     dataset = datasets.Dataset.from_list(rows)
     config = trl.GRPOConfig(output_dir=str(out_dir / "trainer"), **cfg["grpo_config"])
-    timer = StepTimer()
+    timer = step_timer()
     t0 = time.time()
     trainer = trl.GRPOTrainer(
         model=cfg["model_dir"], reward_funcs=bandit_reward, args=config, train_dataset=dataset, callbacks=[timer]
@@ -424,6 +436,23 @@ def summarise_steps(secs: list[float]) -> dict:
         "min_s_per_step": round(min(secs), 3),
         "s_per_step": [round(s, 3) for s in secs],
     }
+
+
+def write_result(out: dict, path: Path, t_bench: float, load_at_start: list, quiet: tuple) -> None:
+    """Add the wall time, the machine and the date, write the JSON, print it (less the `quiet` keys)."""
+    out["bench_wall_s"] = round(time.time() - t_bench, 1)
+    out["machine"] = {
+        "cpus": os.cpu_count(),
+        "torch_threads": __import__("torch").get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_avg_at_start": load_at_start,
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    out["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k not in quiet}, indent=1))
 
 
 def newest_model_dir(run_dir: Path) -> Path:
@@ -602,19 +631,7 @@ def main(argv=None):
                 "speed": starpo_med <= 0.25 * trl_med,
                 "learning": evals["starpo"]["val/success"] >= evals["trl"]["val/success"],
             }
-        out["bench_wall_s"] = round(time.time() - t_bench, 1)
-        out["machine"] = {
-            "cpus": os.cpu_count(),
-            "torch_threads": __import__("torch").get_num_threads(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "load_avg_at_start": load_at_start,
-            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
-        }
-        out["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-        print(json.dumps({k: v for k, v in out.items() if k not in ("grpo_config", "starpo_argv")}, indent=1))
+        write_result(out, Path(a.out), t_bench, load_at_start, ("grpo_config", "starpo_argv"))
     finally:
         if a.keep_work:
             print(f"[vs_trl] work directory kept: {work}")
