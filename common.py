@@ -434,7 +434,7 @@ def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 
 
 def attention_implementation(device: str) -> str:
-    """What the scripts pass as from_pretrained(attn_implementation=...): "sdpa_gqa" on a CPU, else "sdpa".
+    """The attention the scripts load their models with (attn_implementation=): "sdpa_gqa" on a CPU, else "sdpa".
 
     With a padding mask, transformers' sdpa copies every key/value head once per query head (repeat_kv) in every
     layer at every step; in a decode step that copy is the whole KV cache. On a CPU torch's own grouped-query

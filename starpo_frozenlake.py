@@ -1677,10 +1677,8 @@ def main(argv=None):
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
     dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
-    attn = common.attention_implementation(device)  # CPU: grouped-query attention without copying the KV cache
-    load = lambda path: AutoModelForCausalLM.from_pretrained(  # noqa: E731
-        path, dtype=dtype, attn_implementation=attn, trust_remote_code=remote
-    ).to(device)
+    kw = dict(dtype=dtype, attn_implementation=common.attention_implementation(device))  # CPU: GQA without copies
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw, trust_remote_code=remote).to(device)
     policy = load(policy_path)
     ref = load(model_path).eval() if args.kl_coef > 0 else None
     critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None
