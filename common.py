@@ -553,13 +553,16 @@ def tiny_recipe(seed, vocab_size, hidden_size, num_layers, sft_steps, sft_batch_
     )
 
 
+def _tiny_folder(name: str, recipe: dict, examples: list) -> str:
+    return f"tiny-{name}-{hashlib.sha256(json.dumps([recipe, examples], sort_keys=True).encode()).hexdigest()[:12]}"
+
+
 def tiny_model_name(name: str, examples: list, **build_kwargs) -> str:
     """The folder build_tiny_model(name, examples, **build_kwargs) builds into: tiny-<name>-<hash of recipe + data>."""
     bound = inspect.signature(build_tiny_model).bind(name, examples, **build_kwargs)
     bound.apply_defaults()
     kw = {k: v for k, v in bound.arguments.items() if k not in ("name", "examples", "log")}
-    key = hashlib.sha256(json.dumps([tiny_recipe(**kw), examples], sort_keys=True).encode()).hexdigest()[:12]
-    return f"tiny-{name}-{key}"  # (build_tiny_model names its folder the same way)
+    return _tiny_folder(name, tiny_recipe(**kw), examples)
 
 
 def sft_batch(rows: list[tuple[list[int], int | list[int]]], pad_id: int):
@@ -653,8 +656,7 @@ def build_tiny_model(
     the cache wins; else one shipped in the repository's tiny/ under the same name; else it is built here.
     """
     recipe = tiny_recipe(seed, vocab_size, hidden_size, num_layers, sft_steps, sft_batch_size, sft_lr)
-    key = hashlib.sha256(json.dumps([recipe, examples], sort_keys=True).encode()).hexdigest()[:12]
-    out = tiny_cache_root() / f"tiny-{name}-{key}"
+    out = tiny_cache_root() / _tiny_folder(name, recipe, examples)
     for found in (out, SHIPPED_TINY / out.name):  # a build of your own first, then the repository's
         if (found / "build_info.json").exists():
             return found
