@@ -697,9 +697,8 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size,
         row = torch.tensor(
             [distinct.index(tuple(p)) for p in chunk], device=device
         )  # (b,): chunk row -> distinct prompt
-        pasts = [
-            turn_cache.take(list(p)) if turn_cache is not None else (0, None) for p in distinct
-        ]  # (stored length, kv)
+        take = turn_cache.take if turn_cache is not None else (lambda p: (0, None))
+        pasts = [take(list(p)) for p in distinct]  # (stored length, per-layer keys and values) per distinct prompt
         cache, past_attn = common.cache_from_rows(pasts, device)  # (u, C): an empty cache when nothing is stored
         fresh = [p[n:] for p, (n, _) in zip(distinct, pasts)]  # the tokens to prefill now
         width = max(len(p) for p in fresh)
