@@ -5,8 +5,8 @@ Two halves, clearly separated:
 * MATHS: small pure torch functions (advantages, clipping, filtering, KL, aggregation). They follow veRL's
   semantics (verl.trainer.ppo.core_algos) and each is tested against a plain-Python reference
   and hand-worked cases in `tests/test_common.py`. Read them; they are the algorithm.
-* PLUMBING: flags (parse_args, from flags.py), a faster KV cache for generation, the embedded tiny model, metrics files. Learners never
-  need to edit these.
+* PLUMBING: flags (parse_args, from flags.py), faster KV caches for generation, the embedded tiny model, metrics
+  files. Learners never need to edit these.
 
 Shapes: B = sequences in the batch, T = token positions, G = groups, n = group size, V = vocabulary.
 """

@@ -194,7 +194,7 @@ def trl_worker(config_path: str) -> None:
 
 
 def evaluate_model(model_dir: str, tok_dir: str, a: fl.Args) -> dict:
-    """The script's 256-map evaluation (its val seeds, temperature 0.5) with hf_generate; the same RNG seed each time."""
+    """The script's 256-map evaluation (its val seeds, temperature 0.5) with hf_generate; same RNG seed each time."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
