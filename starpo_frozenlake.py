@@ -566,8 +566,8 @@ def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float]]:
 
 # Copied from starpo_sokoban.world_model_think
 def world_model_think(env) -> str:
-    """What a correct world model thinks about env's state: env.perceive() (the state in structured form), then
-    what each move would do (env.predict), e.g. "at 0 1, goal 3 0: 3 Down 1 Left. Left 0 0 _, Down 1 1 O, ...".
+    """What a correct world model thinks about env's state: env.perceive() (the state in structured form), then what
+    each move would do (env.predict), e.g. "at 0 1, goal 3 0: 3 Down 1 Left. Left _, Down O, Right _, Up wall".
     The world-model warm-up writes it as the think (SPA, arXiv 2510.15047); the world_model rubric checks it.
     An environment without perceive() and predict() has no world model: "" (an empty think)."""
     if not (hasattr(env, "perceive") and hasattr(env, "predict")):
