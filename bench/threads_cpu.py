@@ -1,11 +1,13 @@
 """Benchmark: which CPU thread setting survives a busy machine? The tiny model's forward + backward (the update's
-inner loop) timed under each thread policy, on an idle machine and beside one busy process per core.
+inner loop) timed under each thread policy, on an idle machine and beside one busy process per core; then the
+default bandit run itself (`starpo_bandit.py`, 10 steps) under torch's default, one thread and the scripts' own policy.
 
 Policies (each in a fresh process: OpenMP reads its environment when torch loads):
-  default   torch's default (one thread per core, OpenMP's active spin-wait)
-  passive   all cores, OMP_WAIT_POLICY=PASSIVE (waiting threads sleep instead of spinning)
-  one       OMP_NUM_THREADS=1
-  auto      what common.thread_policy() picks at start (the scripts' default)
+  default     torch's default (one thread per core, OpenMP's spin-wait: ~300,000 spins before a thread sleeps)
+  passive     all cores, OMP_WAIT_POLICY=PASSIVE (waiting threads sleep at once)
+  short-spin  all cores, GOMP_SPINCOUNT=10000 (waiting threads spin briefly, then sleep)
+  one         OMP_NUM_THREADS=1
+  auto        what the scripts do: common.thread_policy() at start
 
     python bench/threads_cpu.py                                   # writes bench/results/threads_cpu.json
     python bench/threads_cpu.py --reps 2 --out /tmp/threads.json  # quicker
@@ -18,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import harness
@@ -25,6 +28,7 @@ import harness
 POLICIES = {
     "default": {"STARPO_THREADS": "off"},
     "passive": {"STARPO_THREADS": "off", "OMP_WAIT_POLICY": "PASSIVE"},
+    "short-spin": {"STARPO_THREADS": "off", "GOMP_SPINCOUNT": "10000"},
     "one": {"STARPO_THREADS": "off", "OMP_NUM_THREADS": "1"},
     "auto": {},
 }
@@ -54,9 +58,29 @@ def spin(stop):
         sum(i * i for i in range(10000))
 
 
-def measure(name: str, reps: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "STARPO_THREADS")}
+OURS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "STARPO_THREADS")
+BANDIT = ["--steps", "10", "--eval-every", "0", "--val-size", "8", "--sample-every", "0"]
+
+
+def policy_env(name: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in OURS}
     env.update(POLICIES[name])
+    return env
+
+
+def measure_bandit(name: str) -> dict:
+    """The default bandit run, 10 steps (tiny model from STARPO_CACHE): median of steps 2-9 (step 10 evaluates)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(harness.ROOT / "starpo_bandit.py"), *BANDIT, "--output-dir", tmp]
+        out = subprocess.run(cmd, env=policy_env(name), capture_output=True, text=True, check=True).stdout
+        rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
+    steps = [r["timing_s/step"] for r in rows if "timing_s/step" in r and 2 <= r["step"] <= 9]
+    picked = next((line.split("threads: ", 1)[1] for line in out.splitlines() if "threads: " in line), "?")
+    return dict(policy=name, picked=picked, median_s=round(statistics.median(steps), 3), times=steps)
+
+
+def measure(name: str, reps: int) -> dict:
+    env = policy_env(name)
     code = WORK.format(root=str(harness.ROOT), reps=reps)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     line = out.strip().splitlines()[-1].split("|")
@@ -78,15 +102,21 @@ def main():
                 h.start()
             time.sleep(2)
         results[condition] = [measure(name, a.reps) for name in POLICIES]
+        results[f"bandit_{condition}"] = [measure_bandit(name) for name in ("default", "one", "auto")]
         stop.set()
         for h in hogs:
             h.join()
         for r in results[condition]:
-            print(f"{condition:6s} {r['policy']:8s} ({r['picked']}, {r['threads']} threads): {r['median_s']:.3f} s")
+            print(f"{condition:6s} {r['policy']:10s} ({r['picked']}, {r['threads']} threads): {r['median_s']:.3f} s")
+        for r in results[f"bandit_{condition}"]:
+            print(f"{condition:6s} bandit run, {r['policy']:7s} ({r['picked']}): {r['median_s']:.3f} s per step")
+    idle, loaded = (next(r for r in results[f"bandit_{c}"] if r["policy"] == "auto") for c in ("idle", "loaded"))
+    results["bandit_loaded_over_idle"] = round(loaded["median_s"] / idle["median_s"], 2)  # the issue's target: <= 2
     out = dict(
         benchmark="threads_cpu",
         command="python bench/threads_cpu.py " + " ".join(sys.argv[1:]),
-        workload="tiny model (3.3M, Qwen2) forward+backward, batch 32 x 160 tokens; median of --reps after 1 warm-up",
+        workload="tiny model (3.3M, Qwen2) forward+backward, batch 32 x 160 tokens; median of --reps after 1 warm-up; "
+        "bandit_*: python starpo_bandit.py " + " ".join(BANDIT) + ", median s/step of steps 2-9",
         results=results,
         machine=harness.machine(load_start),
     )
