@@ -21,11 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, flags: list[str], warm_cache: bool) -> dict:
-    """Run `python SCRIPT --sample-every 0 FLAGS --output-dir TMP` offline; a cold run gets a fresh STARPO_CACHE, so
-    the tiny model's build counts. Returns its metrics rows, config, start time, wall seconds and load at start."""
+def run_script(script: str, flags: list[str], warm_cache: bool, env: dict | None = None) -> dict:
+    """Run `python SCRIPT --sample-every 0 FLAGS --output-dir TMP` offline (in `env`, default this process's); a cold
+    run gets a fresh STARPO_CACHE, so the tiny model's build counts. Returns its metrics rows, config, stdout, start
+    time, wall seconds and load at start."""
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1")
         if not warm_cache:
             env["STARPO_CACHE"] = str(Path(tmp) / "cache")
         run_dir = Path(tmp) / "run"
@@ -48,7 +49,7 @@ def run_script(script: str, flags: list[str], warm_cache: bool) -> dict:
         config = json.loads((run_dir / "config.json").read_text())
         cache = Path(env.get("STARPO_CACHE", Path.home() / ".cache" / "starpo"))
         built = build_seconds(cache, t0)
-    return dict(rows=rows, config=config, t0=t0, wall=wall, load_start=load_start, build_s=built)
+    return dict(rows=rows, config=config, stdout=proc.stdout, t0=t0, wall=wall, load_start=load_start, build_s=built)
 
 
 def machine(load_start) -> dict:

@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import harness
@@ -59,7 +58,7 @@ def spin(stop):
 
 
 OURS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "STARPO_THREADS")
-BANDIT = ["--steps", "10", "--eval-every", "0", "--val-size", "8", "--sample-every", "0"]
+BANDIT = ["--steps", "10", "--eval-every", "0", "--val-size", "8"]  # harness.run_script adds --sample-every 0
 
 
 def policy_env(name: str) -> dict:
@@ -70,12 +69,9 @@ def policy_env(name: str) -> dict:
 
 def measure_bandit(name: str) -> dict:
     """The default bandit run, 10 steps (tiny model from STARPO_CACHE): median of steps 2-9 (step 10 evaluates)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(harness.ROOT / "starpo_bandit.py"), *BANDIT, "--output-dir", tmp]
-        out = subprocess.run(cmd, env=policy_env(name), capture_output=True, text=True, check=True).stdout
-        rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
-    steps = [r["timing_s/step"] for r in rows if "timing_s/step" in r and 2 <= r["step"] <= 9]
-    picked = next((line.split("threads: ", 1)[1] for line in out.splitlines() if "threads: " in line), "?")
+    run = harness.run_script("starpo_bandit.py", BANDIT, warm_cache=True, env=policy_env(name))
+    steps = [r["timing_s/step"] for r in run["rows"] if "timing_s/step" in r and 2 <= r["step"] <= 9]
+    picked = next((line.split("threads: ", 1)[1] for line in run["stdout"].splitlines() if "threads: " in line), "?")
     return dict(policy=name, picked=picked, median_s=round(statistics.median(steps), 3), times=steps)
 
 
@@ -116,7 +112,7 @@ def main():
         benchmark="threads_cpu",
         command="python bench/threads_cpu.py " + " ".join(sys.argv[1:]),
         workload="tiny model (3.3M, Qwen2) forward+backward, batch 32 x 160 tokens; median of --reps after 1 warm-up; "
-        "bandit_*: python starpo_bandit.py " + " ".join(BANDIT) + ", median s/step of steps 2-9",
+        "bandit_*: python starpo_bandit.py --sample-every 0 " + " ".join(BANDIT) + ", median s/step of steps 2-9",
         results=results,
         machine=harness.machine(load_start),
     )
