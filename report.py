@@ -134,9 +134,11 @@ def esc(s) -> str:
     return html.escape(str(s), quote=True).replace("\u2028", "&#x2028;").replace("\u2029", "&#x2029;")
 
 
-def line_chart(title: str, lines: list, x_range: tuple, baselines=(), warnings=(), y_fixed=None, ylabel="") -> str:
+def line_chart(
+    title: str, lines: list, x_range: tuple, baselines=(), warnings=(), y_fixed=None, ylabel="", note=""
+) -> str:
     """One chart as a <figure>. lines: (label, [(step, value or None)], colour); baselines: (label, value, colour),
-    drawn as dashed horizontals; warnings: steps marked with red dashed verticals."""
+    drawn as dashed horizontals; warnings: steps marked with red dashed verticals; note: a line under the chart."""
     values = [y for _, pts, _ in lines for _, y in pts if y is not None] + [v for _, v, _ in baselines]
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
     head = f'<figure class="chart" data-chart="{esc(slug)}"><figcaption>{esc(title)}</figcaption>'
@@ -209,7 +211,14 @@ def line_chart(title: str, lines: list, x_range: tuple, baselines=(), warnings=(
             f'stroke-dasharray="{dash}"/><text x="{x + 20}" y="{TOP - 12}" class="legend">{esc(label)}</text>'
         )
         x += 30 + 6.2 * len(label)
-    return "\n".join(out) + "</svg></figure>"
+    tail = f'<div class="note">{esc(note)}</div>' if note else ""
+    return "\n".join(out) + "</svg>" + tail + "</figure>"
+
+
+CLIP_NOTE = (
+    "All zero, as expected when each step's rows are trained in one optimizer step on the policy that sampled them "
+    "(one PPO epoch, one mini-batch): every ratio is then 1. More epochs or smaller mini-batches move it."
+)
 
 
 def charts(metrics: list[dict]) -> list[str]:
@@ -219,15 +228,16 @@ def charts(metrics: list[dict]) -> list[str]:
     if x_range[1] - x_range[0] < 1:
         x_range = (x_range[0], x_range[0] + 1)
     warnings = [r["step"] for r in metrics if number(r.get("warn/echo_trap")) == 1]
+    clip_values = [v for _, v in series(metrics, "actor/pg_clipfrac") if v is not None]
 
-    def chart(title, keys, ylabel, y_fixed=None, baselines=()):
+    def chart(title, keys, ylabel, y_fixed=None, baselines=(), note=""):
         lines = [(label, series(metrics, k), COLOURS[i]) for i, (k, label) in enumerate(keys) if series(metrics, k)]
         base = []
         for key, label in baselines:  # the evaluation maps are fixed, so a baseline is one value: the last logged
             vals = [v for _, v in series(metrics, key) if v is not None]
             if vals:
                 base.append((label, vals[-1], BASELINE_COLOURS[label]))
-        return line_chart(title, lines, x_range, base, warnings, y_fixed, ylabel)
+        return line_chart(title, lines, x_range, base, warnings, y_fixed, ylabel, note)
 
     out = [
         chart(
@@ -254,6 +264,7 @@ def charts(metrics: list[dict]) -> list[str]:
             "Clip fractions",
             [("actor/pg_clipfrac", "clipped"), ("actor/pg_clipfrac_lower", "dual clip")],
             "share of tokens",
+            note=CLIP_NOTE if clip_values and not any(clip_values) else "",
         ),
     ]
     rubric = sorted({k for r in metrics for k in r if k.startswith("rubric/")})
@@ -459,6 +470,7 @@ details td{padding:1px 10px 1px 0;vertical-align:top}
 .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(430px,1fr));gap:12px}
 .chart{margin:0;background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:8px}
 figcaption{font-weight:600;font-size:13px;margin-bottom:2px}.empty{color:#9ca3af;padding:40px 0;text-align:center}
+.note{color:#6b7280;font-size:12px;margin-top:2px}
 svg .grid{stroke:#eef0f3}svg .axis{stroke:#9ca3af}svg .tick{font-size:10px;fill:#6b7280}
 svg .label{font-size:11px;fill:#4b5563}svg .legend{font-size:11px;fill:#374151}
 .controls{display:flex;flex-wrap:wrap;gap:12px;align-items:center;background:#fff;border:1px solid #e5e7eb;

@@ -201,6 +201,17 @@ def test_echo_trap_markers_on_every_chart(tmp_path):
     assert 'class="echo-trap"' not in build(make_run(tmp_path / "calm"))
 
 
+def test_flat_zero_clip_fractions_say_why(tmp_path):
+    run = make_run(tmp_path / "zero")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if "actor/pg_clipfrac" in r:
+            r["actor/pg_clipfrac"] = 0.0
+    write_jsonl(run / "metrics.jsonl", rows)
+    assert "one PPO epoch, one mini-batch" in figure(build(run), "Clip fractions")
+    assert 'class="note"' not in build(make_run(tmp_path / "some"))  # 0.01 clipped: no note
+
+
 def test_nan_breaks_the_line_and_never_reaches_the_json(tmp_path):
     run = make_run(tmp_path / "run")
     lines = (run / "metrics.jsonl").read_text().splitlines()
