@@ -105,6 +105,37 @@ def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: 
     return (rows(micro_mask) / rows(mini_mask)).item()
 
 
+def micro_batch_plan(first_len, rest_len, group, max_rows: int, overhead: int = 64) -> list[torch.Tensor]:
+    """Cut rows into micro-batches of at most max_rows that pad the fewest tokens. Returns index tensors into the
+    given rows (every row exactly once; each micro-batch's rows in group order).
+
+    A micro-batch runs each distinct first prompt once and pads every row's rest to its longest, so it costs
+    (distinct groups) x (longest first prompt) + rows x (longest rest) tokens, plus `overhead` tokens' worth of fixed
+    cost per pass. Multi-turn rest lengths are ragged (one turn played or five: 40 to 570 tokens on the tiny
+    FrozenLake), and one micro-batch of them is mostly padding (2-3x the real tokens). Rows sorted by rest length
+    are cut into contiguous runs by dynamic programming: the cheapest cut of that order. The gradient is the same
+    (micro_batch_weight makes any split add up to the mini-batch loss); only the float summation order changes.
+    first_len, rest_len, group: (n,) each, tensors or lists.
+    """
+    first, rest, groups = (torch.as_tensor(x).tolist() for x in (first_len, rest_len, group))
+    order = sorted(range(len(rest)), key=lambda i: (rest[i], groups[i]))
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)  # best[j]: cheapest plan of order[:j]
+    for j in range(1, len(order) + 1):
+        seen, longest_first = set(), 0
+        for i in range(j - 1, max(j - max_rows, 0) - 1, -1):  # the last micro-batch is order[i:j]
+            seen.add(groups[order[i]])
+            longest_first = max(longest_first, first[order[i]])
+            cost = best[i] + len(seen) * longest_first + (j - i) * rest[order[j - 1]] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    plan, j = [], len(order)
+    while j > 0:
+        rows = sorted(order[cut[j] : j], key=lambda i: (groups[i], i))
+        plan.append(torch.tensor(rows, dtype=torch.long))
+        j = cut[j]
+    return plan[::-1]
+
+
 def group_advantages(scores: torch.Tensor, norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantage per trajectory: (s - group mean) / (group std + eps). (G, n) -> (G, n).
 

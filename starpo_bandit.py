@@ -742,8 +742,8 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
         reply_mask=reply_mask,
         gen_logprobs=gen_logprobs,
         reply_ids=input_ids[:, P:],
-        prompt_len=torch.tensor([len(t.prompt_ids) for t in trajs]),
-        reply_len=torch.tensor([len(t.reply_ids) for t in trajs]),
+        first_len=torch.tensor([len(t.prompt_ids) for t in trajs]),  # the prompt (shared by a group)
+        rest_len=torch.tensor([len(t.reply_ids) for t in trajs]),  # what follows it: the reply
         group=group,
         P=P,
     )
@@ -757,8 +757,8 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
     reply_ids  (b, r)  the replies, right-padded; reply_in (b, r - 1) = the tokens fed after the prompt
     """
     P = batch["P"]
-    p0 = P - int(batch["prompt_len"][idx].max())
-    r1 = max(int(batch["reply_len"][idx].max()), 1)
+    p0 = P - int(batch["first_len"][idx].max())
+    r1 = max(int(batch["rest_len"][idx].max()), 1)
     groups, row = torch.unique(batch["group"][idx], return_inverse=True)  # (u,), (b,)
     first = idx[[int((batch["group"][idx] == g).nonzero()[0]) for g in groups]]  # (u,): one row per distinct prompt
     view = {
@@ -766,7 +766,7 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
         for k, v in (("ids", "input_ids"), ("attn", "attention_mask"), ("pos", "position_ids"))
     }
     reply_in = batch["reply_ids"][idx, : r1 - 1]  # (b, r - 1): the last reply token is never an input
-    reply_pos = batch["prompt_len"][idx, None] + torch.arange(r1 - 1, device=reply_in.device)  # (b, r - 1)
+    reply_pos = batch["first_len"][idx, None] + torch.arange(r1 - 1, device=reply_in.device)  # (b, r - 1)
     view.update(
         row=row,
         reply_in=reply_in,
@@ -863,7 +863,9 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
     policy.eval()
     with autocast:
-        for idx in micro_batches(len(old_logp), args.micro_batch_size):
+        for idx in common.micro_batch_plan(
+            batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size
+        ):
             mb = micro_view(batch, idx)
             c = mb["cols"]
             if recompute:
@@ -894,14 +896,12 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
     skipped = 0
     for _ in range(args.ppo_epochs):
         for mini in micro_batches(len(mask), args.mini_batch_size, generator):
-            mini = mini[
-                torch.argsort(batch["group"][mini].cpu(), stable=True)
-            ]  # a group's rows together: they share a prompt
             opt.zero_grad(set_to_none=True)
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=True)
             mini_mask, finite = mask[mini], True
-            for idx in micro_batches(len(mini), args.micro_batch_size):
+            lengths = (batch[k][mini] for k in ("first_len", "rest_len", "group"))
+            for idx in common.micro_batch_plan(*lengths, args.micro_batch_size):  # rows of like length together
                 mb = micro_view(batch, mini[idx])
                 i, c = mb["idx"], mb["cols"]
                 m = mask[i, :c]  # (b, c)
@@ -1289,7 +1289,7 @@ def main(argv=None):
             returns = None
         else:
             token_rewards = torch.zeros(N, R, device=device)  # (N, R): the score sits on the last reply token
-            last = (batch["reply_len"] - 1).clamp(min=0)  # an empty reply (context overflow) has no token to carry it
+            last = (batch["rest_len"] - 1).clamp(min=0)  # an empty reply (context overflow) has no token to carry it
             token_rewards[torch.arange(N), last] = kept_scores.view(-1).float().to(device)
             advantages, returns = gae(token_rewards, old["old_values"], mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)

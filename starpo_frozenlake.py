@@ -1135,6 +1135,7 @@ def collate(rows: list[Row], pad_id: int, device) -> dict:
         gen_logprobs=gen_logprobs[:, 1:],
         length=attn.sum(-1),
         first_len=torch.tensor([r.first_len for r in rows]),
+        rest_len=attn.sum(-1) - torch.tensor([r.first_len for r in rows]),  # the tokens after the first prompt
         group=group,
     )
     return {k: v.to(device) for k, v in batch.items()}
@@ -1257,7 +1258,9 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
     policy.eval()
     with autocast:
-        for idx in micro_batches(len(old_logp), args.micro_batch_size):
+        for idx in common.micro_batch_plan(
+            batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size
+        ):
             mb = micro_view(batch, idx)
             c = mb["cols"]
             if recompute:
@@ -1289,14 +1292,12 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
     skipped = 0
     for _ in range(args.ppo_epochs):
         for mini in micro_batches(len(mask), args.mini_batch_size, generator):
-            mini = mini[
-                torch.argsort(batch["group"][mini].cpu(), stable=True)
-            ]  # a group's rows together: they share a prompt
             opt.zero_grad(set_to_none=True)
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=True)
             mini_mask, finite = mask[mini], True
-            for idx in micro_batches(len(mini), args.micro_batch_size):
+            lengths = (batch[k][mini] for k in ("first_len", "rest_len", "group"))
+            for idx in common.micro_batch_plan(*lengths, args.micro_batch_size):  # rows of like length together
                 mb = micro_view(batch, mini[idx])
                 i, c = mb["idx"], mb["cols"]
                 m = mask[i, :c]  # (b, c)

@@ -11,6 +11,7 @@ Three kinds of check, all of veRL's semantics (verl.trainer.ppo.core_algos; tole
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from fractions import Fraction
 
@@ -1167,3 +1168,58 @@ def test_cache_from_rows_left_pads_each_past_and_masks_the_padding():
     assert keys[1].abs().sum() == 0
     empty, no_mask = common.cache_from_rows([(0, None)] * 2, "cpu")
     assert no_mask.shape == (2, 0) and empty.get_seq_length() == 0
+
+
+########################################################################################################################
+# 4b. micro_batch_plan: every row once, at most max_rows, the cheapest contiguous cut of the length order
+########################################################################################################################
+
+
+def _plan_cost(plan, first, rest, group, overhead):
+    return sum(
+        len({group[i] for i in p.tolist()}) * max(first[i] for i in p.tolist())
+        + len(p) * max(rest[i] for i in p.tolist())
+        + overhead
+        for p in plan
+    )
+
+
+def _cheapest_cut(first, rest, group, max_rows, overhead):
+    """Brute force: every way to cut the length order into runs of at most max_rows."""
+    order = sorted(range(len(rest)), key=lambda i: (rest[i], group[i]))
+    best = math.inf
+    for mask in range(2 ** (len(order) - 1)):
+        runs, start = [], 0
+        for k in range(1, len(order) + 1):
+            if k == len(order) or mask >> (k - 1) & 1:
+                runs.append(torch.tensor(order[start:k]))
+                start = k
+        if max(len(r) for r in runs) <= max_rows:
+            best = min(best, _plan_cost(runs, first, rest, group, overhead))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("max_rows", [1, 3, 32])
+def test_micro_batch_plan_is_a_cheapest_partition(seed, max_rows):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    group = [rng.randrange(3) for _ in range(n)]
+    first = [[200, 210, 190][g] for g in group]  # a group shares its first prompt
+    rest = [rng.choice([40, 45, 170, 300, 310, 570]) for _ in range(n)]
+    plan = common.micro_batch_plan(torch.tensor(first), rest, group, max_rows, overhead=64)
+    rows = sorted(i for p in plan for i in p.tolist())
+    assert rows == list(range(n))  # every row exactly once
+    assert all(1 <= len(p) <= max_rows and p.dtype == torch.long for p in plan)
+    assert all([group[i] for i in p.tolist()] == sorted(group[i] for i in p.tolist()) for p in plan)
+    assert _plan_cost(plan, first, rest, group, 64) == _cheapest_cut(first, rest, group, max_rows, 64)
+
+
+def test_micro_batch_plan_splits_ragged_rows_and_keeps_even_ones_together():
+    even = common.micro_batch_plan([200] * 16, [40] * 16, [i // 8 for i in range(16)], 32)
+    assert [len(p) for p in even] == [16]  # the bandit's case: one pass, as before
+    ragged = [40] * 7 + [300] * 6 + [570] * 3  # a multi-turn batch: one turn played, three, five
+    plan = common.micro_batch_plan([205] * 16, ragged, [i % 2 for i in range(16)], 32)
+    assert [len(p) for p in plan] == [7, 6, 3]
+    assert _plan_cost(plan, [205] * 16, ragged, [i % 2 for i in range(16)], 64) < 2 * 205 + 16 * 570 + 64
+    assert common.micro_batch_plan([], [], [], 4) == []

@@ -530,6 +530,48 @@ def test_update_logprobs_match_generation_and_observations_get_no_gradient(tiny,
     model.zero_grad(set_to_none=True)
 
 
+def test_update_is_the_same_whatever_the_micro_batch_plan(tiny, monkeypatch):
+    """ppo_update cuts a mini-batch into micro-batches of like length (common.micro_batch_plan) to pad less: the
+    weights after one optimizer step equal those of one pass over the whole ragged mini-batch."""
+    import copy
+    import contextlib
+
+    model, tok = tiny
+    args, trajs, _ = recorded_rollout(tiny, [], temperature=0.7)
+    rows = fl.training_rows(trajs, None) + fl.training_rows(trajs, 1)  # whole episodes and single turns: ragged
+    batch = fl.collate(rows, tok.pad_token_id, "cpu")
+    mask = batch["loss_mask"]
+    plan = common.micro_batch_plan(batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size)
+    assert len(plan) > 1  # the ragged rows are split
+    torch.manual_seed(1)
+    inputs = dict(
+        mask=mask,
+        advantages=torch.randn(mask.shape) * mask,
+        returns=None,
+        old_logp=batch["gen_logprobs"].clone(),
+        ref_logp=torch.zeros_like(mask),
+        old_values=torch.zeros_like(mask),
+        tis=None,
+    )
+
+    def one_update():
+        policy = copy.deepcopy(model)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(0)
+        metrics, skipped = fl.ppo_update(
+            policy, None, None, opt, None, batch, inputs, args, gen, contextlib.nullcontext()
+        )
+        assert skipped == 0
+        return torch.cat([(p - q).flatten() for p, q in zip(policy.parameters(), model.parameters())]), metrics
+
+    planned, m1 = one_update()
+    monkeypatch.setattr(common, "micro_batch_plan", lambda first, *rest: [torch.arange(len(first))])
+    whole, m2 = one_update()
+    assert whole.abs().sum() > 0
+    torch.testing.assert_close(planned, whole, rtol=1e-4, atol=1e-7)
+    assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-5)
+
+
 def test_tiny_warmup_is_random_and_format_correct():
     """The warm-up teaches the format on real episodes; its moves are uniformly random (never the solver's)."""
     examples = fl.tiny_warmup_examples(args_for())
