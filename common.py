@@ -105,6 +105,17 @@ def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: 
     return (rows(micro_mask) / rows(mini_mask)).item()
 
 
+def padded_tokens(plan: list[torch.Tensor], first_len, rest_len, group) -> int:
+    """The tokens a plan's micro-batches run: each distinct first prompt once, every row padded to its micro-batch's
+    longest rest (micro_batch_plan's cost, less its fixed cost per pass)."""
+    first, rest, groups = (torch.as_tensor(x).tolist() for x in (first_len, rest_len, group))
+    return sum(
+        len({groups[i] for i in p.tolist()}) * max(first[i] for i in p.tolist())
+        + len(p) * max(rest[i] for i in p.tolist())
+        for p in plan
+    )
+
+
 def micro_batch_plan(first_len, rest_len, group, max_rows: int, overhead: int = 64) -> list[torch.Tensor]:
     """Cut rows into micro-batches of at most max_rows that pad the fewest tokens. Returns index tensors into the
     given rows (every row exactly once; each micro-batch's rows in group order).

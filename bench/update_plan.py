@@ -31,15 +31,6 @@ import common  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
 
 
-def padded_tokens(plan, first, rest, group) -> int:
-    """What the micro-batches run: each distinct first prompt once, every row padded to its micro-batch's longest."""
-    f, r, g = first.tolist(), rest.tolist(), group.tolist()
-    return sum(
-        len({g[i] for i in p.tolist()}) * max(f[i] for i in p.tolist()) + len(p) * max(r[i] for i in p.tolist())
-        for p in plan
-    )
-
-
 def real_tokens(first, rest, group) -> int:
     """The tokens with no padding: each group's first prompt once, every row's rest."""
     firsts = dict(zip(group.tolist(), first.tolist()))
@@ -92,8 +83,8 @@ def main(argv=None):
         one = [torch.arange(len(batch["rest_len"]))]
         batches.append(dict(rows=len(batch["rest_len"]), micro_batches=[len(p) for p in plan],
                             real_tokens=real_tokens(*keys),
-                            padded_tokens_plan=padded_tokens(plan, *keys),
-                            padded_tokens_one_pass=padded_tokens(one, *keys)))  # fmt: skip
+                            padded_tokens_plan=common.padded_tokens(plan, *keys),
+                            padded_tokens_one_pass=common.padded_tokens(one, *keys)))  # fmt: skip
     med = {k: round(statistics.median(v), 3) for k, v in seconds.items()}
     result = dict(
         benchmark="update_plan",

@@ -1176,11 +1176,14 @@ def test_cache_from_rows_left_pads_each_past_and_masks_the_padding():
 
 
 def _plan_cost(plan, first, rest, group, overhead):
-    return sum(
-        len({group[i] for i in p.tolist()}) * max(first[i] for i in p.tolist())
-        + len(p) * max(rest[i] for i in p.tolist())
-        + overhead
-        for p in plan
+    return common.padded_tokens(plan, first, rest, group) + overhead * len(plan)
+
+
+def test_padded_tokens_counts_each_prompt_once_and_pads_each_rest():
+    first, rest, group = [200, 200, 210], [40, 300, 45], [0, 0, 1]
+    assert common.padded_tokens([torch.tensor([0, 1, 2])], first, rest, group) == 2 * 210 + 3 * 300
+    assert common.padded_tokens([torch.tensor([0, 2]), torch.tensor([1])], first, rest, group) == (
+        2 * 210 + 2 * 45 + 200 + 300
     )
 
 

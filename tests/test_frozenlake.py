@@ -2,6 +2,7 @@
 accounting (mask, log-prob consistency, no gradient through observations), flags and a smoke run."""
 
 import contextlib
+import copy
 import json
 import math
 import shutil
@@ -533,9 +534,6 @@ def test_update_logprobs_match_generation_and_observations_get_no_gradient(tiny,
 def test_update_is_the_same_whatever_the_micro_batch_plan(tiny, monkeypatch):
     """ppo_update cuts a mini-batch into micro-batches of like length (common.micro_batch_plan) to pad less: the
     weights after one optimizer step equal those of one pass over the whole ragged mini-batch."""
-    import copy
-    import contextlib
-
     model, tok = tiny
     args, trajs, _ = recorded_rollout(tiny, [], temperature=0.7)
     rows = fl.training_rows(trajs, None) + fl.training_rows(trajs, 1)  # whole episodes and single turns: ragged
