@@ -35,6 +35,13 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # a flag whose text already says its default gets no "(default: None)"
+        if action.default is None and "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(cls, argv=None, description: str | None = None, presets: dict | None = None, algos: dict | None = None):
     """Turn a dataclass into kebab-case flags (field `group_size` -> `--group-size`) and parse argv into it.
 
@@ -47,7 +54,7 @@ def parse_args(cls, argv=None, description: str | None = None, presets: dict | N
     }
 
     def build(suppress: bool) -> argparse.ArgumentParser:
-        parser = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        parser = _OneLineParser(description=description, formatter_class=_DefaultsFormatter)
         docs = _field_docs(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):

@@ -328,6 +328,7 @@ def test_help_answers_before_torch_loads(script):
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert "flags" in imported and "argparse" in imported  # the log is what we think it is
     assert not imported & {"torch", "numpy", "transformers", "common"}, sorted(imported & {"torch", "numpy"})
+    assert "(default: None)" not in r.stdout  # every flag says its default in words, or has a real one
 
 
 def test_help_lists_kebab_case_flags_with_docs():
