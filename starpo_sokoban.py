@@ -1190,15 +1190,16 @@ def collate(rows: list[Row], pad_id: int, device) -> dict:
         gen_logprobs[i, : len(r.ids)] = torch.tensor(r.gen_logprobs)
     distinct = list(dict.fromkeys(tuple(r.ids[: r.first_len]) for r in rows))
     group = torch.tensor([distinct.index(tuple(r.ids[: r.first_len])) for r in rows])
+    length, first_len = attn.sum(-1), torch.tensor([r.first_len for r in rows])
     batch = dict(
         input_ids=input_ids,
         attention_mask=attn,
         targets=input_ids[:, 1:],
         loss_mask=mask[:, 1:],
         gen_logprobs=gen_logprobs[:, 1:],
-        length=attn.sum(-1),
-        first_len=torch.tensor([r.first_len for r in rows]),
-        rest_len=attn.sum(-1) - torch.tensor([r.first_len for r in rows]),  # the tokens after the first prompt
+        length=length,
+        first_len=first_len,
+        rest_len=length - first_len,  # the tokens after the first prompt
         group=group,
     )
     return {k: v.to(device) for k, v in batch.items()}

@@ -6,9 +6,9 @@
 
 Each setting is a short run of the tiny defaults on the non-slippery lake (`--no-slippery --steps 3 --eval-every 0
 --val-size 8`, the tiny model cached), once per `--max-turns` 1..5 (one move per turn, so every turn is a reply) and
-once per `--max-actions-per-turn` 2 and 3 at 5 turns. Per setting: the median over steps 2-3 of the step (less the final
-evaluation step 3 also runs), generation and update seconds, and the mean number of turns an episode lasted (episodes end early at a hole or the goal, so
-the number of turns played is what the cost follows). Run it alone on an idle machine; the load is recorded.
+once per `--max-actions-per-turn` 2 and 3 at 5 turns. Per setting: the median over steps 2-3 of the step (less the
+final evaluation step 3 also runs), generation and update seconds, and the mean number of turns an episode lasted
+(episodes end early at a hole or the goal, so the number of turns played is what the cost follows). Run it alone on an idle machine; the load is recorded.
 """
 
 import argparse
