@@ -19,6 +19,7 @@ the fix is a model that has it (a pretrained one), not a different RL setting.
 """
 
 import argparse
+import json
 import random
 import re
 import sys
@@ -170,14 +171,18 @@ def probe(
     }
 
 
-def world_probe(task: str, test_size: int, seed: int) -> dict:
+def world_probe(task: str, test_size: int, seed: int, reading_steps: int = 0) -> dict:
     """After the world-model warm-up, on held-out first turns (seeds no script trains or evaluates on): how often
     the model's own think (greedy) states each fact of world_model_think right: the player's cell, the goal's or
-    box's and target's, the offset, and what each move would do; and how often the whole think is right."""
+    box's and target's, the offset, and what each move would do; and how often the whole think is right.
+    reading_steps > 0: the script's tiny model built with a reading stage first (common.reading_stage; built into
+    $STARPO_CACHE on first use), its copy probe after the reading stage and after the warm-up reported too."""
     script = TASKS[task]["script"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = common.build_tiny_model(task, script.tiny_warmup_examples(script.Args()), **script.TINY_BUILD)
+    build = dict(script.TINY_BUILD, **({"reading_steps": reading_steps} if reading_steps else {}))
+    path = common.build_tiny_model(task, script.tiny_warmup_examples(script.Args()), **build)
+    info = json.loads((path / "build_info.json").read_text())
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     args, prompts, truths = script.Args(), [], []
@@ -207,6 +212,8 @@ def world_probe(task: str, test_size: int, seed: int) -> dict:
         "exact_think": exact / test_size,
         "facts": {k: round(sum(v) / len(v), 3) for k, v in facts.items()},
         "seconds": round(time.time() - t0, 1),
+        "build_seconds": info["build_seconds"],
+        "reading_probe": info.get("reading_probe"),
         "example": {"truth": truths[0], "said": tok.decode(replies[0][0], skip_special_tokens=True)},
     }
 
@@ -214,6 +221,9 @@ def world_probe(task: str, test_size: int, seed: int) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", action="store_true", help="the world-model probe instead (writes tiny_probe_world.json)")
+    ap.add_argument(
+        "--reading", type=int, default=0, metavar="STEPS", help="--world: on a build with a reading stage of STEPS"
+    )
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--prompts", nargs="+", default=["grid", "copy"], choices=["grid", "copy"])
     ap.add_argument("--steps", type=int, default=300, help="supervised steps per probe")
@@ -229,7 +239,7 @@ def main():
     a = ap.parse_args()
     load_start, t0 = harness.os.getloadavg(), time.time()
     if a.world:
-        runs = [world_probe(task, a.test_size, a.seed) for task in a.tasks]
+        runs = [world_probe(task, a.test_size, a.seed, a.reading) for task in a.tasks]
         for r in runs:
             print(
                 f"{r['task']:10s} well formed {r['well_formed']:.3f}  exact think {r['exact_think']:.3f}  {r['facts']}"

@@ -10,6 +10,7 @@ Three kinds of check, all of veRL's semantics (verl.trainer.ppo.core_algos; tole
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -999,6 +1000,129 @@ def test_sft_batch_right_pads_and_trains_only_the_reply():
     assert input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
     assert labels.tolist() == [[-100, -100, 7, 8], [-100, 10, -100, -100]]  # prompt and padding ignored
     assert attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+# ---- the reading stage (in-context copying on random strings, before a tiny model's task warm-up) ----------------
+
+VOCAB, SEP, ARROW = list(range(3, 60)), 0, 1
+
+
+def test_reading_strings_are_answered_by_copying_alone():
+    """Every trained token is determined by the string before it (copy: the token n + 1 back; recall: the value that
+    followed the queried key), strings are drawn from the given vocabulary only, and the markers never occur in it."""
+    rng, kinds = random.Random(0), set()
+    for _ in range(500):
+        ids, mask = common.reading_sample(rng, VOCAB, SEP, ARROW)
+        assert len(ids) == len(mask) <= common.READING_LEN and sum(mask) > 0
+        assert all(t in VOCAB for t in ids if t not in (SEP, ARROW))
+        kind = common.reading_kind(ids, SEP, ARROW)
+        kinds.add(kind)
+        if kind == "induction":  # random tokens; each trained token follows a key whose every occurrence it follows
+            assert SEP not in ids and ARROW not in ids and mask[0] == 0
+            for p in (p for p, m in enumerate(mask) if m):
+                key = ids[p - 1]
+                seen = [q for q in range(p - 1) if ids[q] == key]
+                assert seen and all(ids[q + 1] == ids[p] for q in seen)
+                assert p >= len(ids) // 2 and all(ids[q] != key for q in range(p, len(ids)))
+            continue
+        assert ids.count(SEP) == 1
+        cut = ids.index(SEP)
+        if kind == "copy":  # s <sep> s
+            assert ids[cut + 1 :] == ids[:cut] and mask == [0] * (cut + 1) + [1] * cut
+        else:  # recall: k v k v ... <sep> k <arrow> v ...
+            pairs = dict(zip(ids[:cut:2], ids[1:cut:2]))
+            assert len(pairs) == cut // 2  # distinct keys: every query has one answer
+            for j in range(cut + 1, len(ids), 3):
+                key, arrow, value = ids[j : j + 3]
+                assert arrow == ARROW and pairs[key] == value and mask[j : j + 3] == [0, 0, 1]
+    assert kinds == set(common.READING_KINDS)
+    first_two = {
+        common.reading_kind(common.reading_sample(rng, VOCAB, SEP, ARROW, kinds=2)[0], SEP, ARROW) for _ in range(200)
+    }
+    assert first_two == {"copy", "recall"}  # the stage's first steps (READING_PLAIN): no induction strings yet
+
+
+def test_sft_replay_rows_join_every_steps_gradient():
+    class Toy(torch.nn.Module):  # the Hugging Face interface sft uses: model(...).loss
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 1)
+
+        def forward(self, input_ids, attention_mask, labels):
+            hit = (labels != -100).float()
+            return type("Out", (), {"loss": (self.emb(input_ids)[..., 0] * hit).sum() / hit.sum()})()
+
+    calls, weights = [], {}
+    for replay in (None, lambda: calls.append(1) or [([7, 8, 9], 1)]):
+        torch.manual_seed(0)
+        model = Toy()
+        common.sft(model, [([1, 2, 3], 1)], steps=4, batch_size=2, lr=0.1, pad_id=0, log=lambda _: None, replay=replay)
+        weights[replay is None] = model.emb.weight.detach().clone()
+    assert len(calls) == 4  # once a step
+    assert torch.equal(weights[True][:8], weights[False][:8])  # the task rows' tokens moved alike
+    assert not torch.equal(weights[True][8:], weights[False][8:])  # the replayed tokens moved only with replay
+
+
+class _Reader(torch.nn.Module):
+    """A stand-in model for reading_probe: copies perfectly (the rule each string was built by), or never."""
+
+    def __init__(self, copies: bool):
+        super().__init__()
+        self.copies, self.dummy = copies, torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask):
+        logits = torch.zeros(*input_ids.shape, 64)
+        for b, row in enumerate(input_ids.tolist()):
+            n = int(attention_mask[b].sum())
+            kind = common.reading_kind(row[:n], SEP, ARROW)
+            cut = row.index(SEP) if kind != "induction" else 0
+            for t in range(cut, n - 1):  # predict row[t + 1] from row[: t + 1]
+                if kind == "copy":
+                    guess = row[t + 1 - (cut + 1)]
+                elif kind == "recall":
+                    pairs = dict(zip(row[:cut:2], row[1:cut:2]))
+                    guess = pairs.get(row[t - 1], 2) if row[t] == ARROW else 2
+                else:  # the token that followed the current one last time
+                    guess = next((row[q + 1] for q in range(t - 1, -1, -1) if row[q] == row[t]), 2)
+                logits[b, t, guess if self.copies else 2] = 1.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_reading_probe_scores_a_perfect_copier_one_and_a_constant_model_zero():
+    assert common.reading_probe(_Reader(True), VOCAB, SEP, ARROW, n=16) == dict.fromkeys(common.READING_KINDS, 1.0)
+    assert common.reading_probe(_Reader(False), VOCAB, SEP, ARROW, n=16) == dict.fromkeys(common.READING_KINDS, 0.0)
+
+
+def test_a_reading_stage_changes_the_tiny_models_key_and_none_keeps_the_old_one():
+    base = common.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3)
+    assert "reading" not in base  # models built before the reading stage keep their names (and their shipped builds)
+    assert common.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3, reading_steps=0) == base
+    assert common.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3, reading_steps=1400)["reading"]["steps"] == 1400
+    examples = [([{"role": "user", "content": "hi"}], "ok")]
+    assert common.tiny_model_name("t", examples, reading_steps=1400) != common.tiny_model_name("t", examples)
+
+
+def test_a_build_with_a_reading_stage_records_its_probe_before_and_after_the_task_warm_up(tmp_path, monkeypatch):
+    """The build path itself, at a toy size: the reading stage runs, then the warm-up with reading strings replayed,
+    and build_info.json says what each left (a probe per kind of string, 0 to 1)."""
+    monkeypatch.setenv("STARPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(common, "SHIPPED_TINY", tmp_path / "none")
+    examples = [
+        ([{"role": "user", "content": f"say {w}"}], f"<think> {w} </think> <answer> {w} </answer>") for w in "ab"
+    ]
+    lines = []
+    path = common.build_tiny_model(
+        "t", examples, vocab_size=300, hidden_size=32, num_layers=1, sft_steps=3, sft_batch_size=2,
+        reading_steps=10, log=lines.append,
+    )  # fmt: skip
+    probe = json.loads((path / "build_info.json").read_text())["reading_probe"]
+    assert set(probe) == {*common.READING_KINDS, "seconds", "after_warmup"}
+    assert set(probe["after_warmup"]) == set(common.READING_KINDS)
+    assert all(0.0 <= probe[k] <= 1.0 and 0.0 <= probe["after_warmup"][k] <= 1.0 for k in common.READING_KINDS)
+    assert sum("reading step" in line for line in lines) == 10  # a line every tenth of the stage
+    assert path.name == common.tiny_model_name(
+        "t", examples, vocab_size=300, hidden_size=32, num_layers=1, sft_steps=3, sft_batch_size=2, reading_steps=10
+    )
 
 
 # ---- truncated importance sampling and the trainer / sampler mismatch ----------------------------------------------
