@@ -621,11 +621,10 @@ def reading_sample(rng: random.Random, vocab: list[int], sep: int, arrow: int, l
     """One reading string and its 0/1 loss mask (1 exactly where in-context copying determines the next token).
 
     One of the first `kinds` of READING_KINDS, equally likely: copy, `s <sep> s` with s random (the second s is
-    trained); recall, key-value pairs of random
-    tokens, `<sep>`, then queries `k <arrow> v` for some of the keys (each v trained); induction, random tokens in
-    which a few bigrams `k v` (k seen nowhere else) recur in the second half, the recurring v trained: "the token that
-    followed this one last time", with no marker to lean on. `vocab`: the ordinary token ids the strings are drawn
-    from; `sep` and `arrow`: markers outside it."""
+    trained); recall, key-value pairs of random tokens, `<sep>`, then queries `k <arrow> v` for some of the keys
+    (each v trained); induction, random tokens in which a few bigrams `k v` (k seen nowhere else) recur in the
+    second half, the recurring v trained: "the token that followed this one last time", with no marker to lean on.
+    `vocab`: the ordinary token ids the strings are drawn from; `sep` and `arrow`: markers outside it."""
     kind = rng.randrange(kinds)
     if kind == 0:
         n = rng.randint(4, (length - 1) // 2)
@@ -908,16 +907,14 @@ def build_tiny_model(
 
     seed_everything(seed)
     model = Qwen2ForCausalLM(config)
-    reading = {}
+    reading, replay = {}, None
     if reading_steps:  # in-context copying first (see reading_stage), on random strings of the ordinary tokens
         vocab = [i for i in range(config.vocab_size) if i not in specials.values()]
         marks = specials["<|endoftext|>"], specials["<|im_start|>"]
         r0 = time.time()
         reading = dict(reading_stage(model, vocab, *marks, reading_steps, reading_lr, seed, log))
         reading["seconds"] = round(time.time() - r0, 1)
-    replay = None
-    if reading_steps:
-        replay_rng = random.Random(seed + 1)
+        replay_rng = random.Random(seed + 1)  # then replayed during the task warm-up, which would wipe it out
         replay = lambda: [reading_sample(replay_rng, vocab, *marks) for _ in range(READING_REPLAY)]  # noqa: E731
     loss = sft(model, rows, sft_steps, sft_batch_size, sft_lr, tok.pad_token_id, seed, log, replay=replay)
     if reading_steps:  # what the task warm-up left of it
