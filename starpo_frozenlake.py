@@ -37,7 +37,10 @@ How it departs from the paper / RAGEN:
     goes where it was meant or slips to the same side. The group compares choices, not luck.
   * The grid is printed with a space between cells ("P _ _ O") so that every cell is one token; symbols are RAGEN's.
   * The lake is followed by a line of coordinates ("Player at row 0, column 1. Goal at row 3, column 0."), as in
-    RAGEN-2's CoordFrozenLake; `--no-positions` shows the grid alone, as RAGEN v1 did.
+    RAGEN-2's CoordFrozenLake; `--no-positions` shows the grid alone, as RAGEN v1 did. `--outcomes` adds a line
+    of what each move would reach ("Moves: Left ice, Down to, Right hole, Up wall"; to = ice a step nearer the
+    goal): facts of the lake, not advice. With it the world-model think restates that line and the warm-up
+    answers one move a turn. Off by default (the README has what it did for the tiny model).
   * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built on first use with a
     world-model warm-up (SPA, arXiv 2510.15047): 300 supervised steps on self-play episodes whose moves are
     uniformly random (two a turn) and whose think is the environment's own account of the lake: where the player
@@ -50,7 +53,9 @@ How it departs from the paper / RAGEN:
     the shared format tokens down) and top_p 0.95 (a rare malformed reply in a lucky episode gets a large update;
     the nucleus cuts such tails while the four moves stay sampled). bench/frozenlake_cpu.py measures how far it
     gets; `bench/tiny_probe.py --world` how well it reads.
-  * The rubric (env reward + RAGEN's -0.1 format penalty per bad turn) is explicit and logged per component.
+  * The rubric (env reward + RAGEN's -0.1 format penalty per bad turn) is explicit and logged per component;
+    `progress` (log only) counts the steps a turn brought the player nearer the goal (-1 for a hole), a dense
+    hint to weight with `--rubric-weights progress=0.2`.
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
 in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
@@ -128,6 +133,8 @@ class Args:
     """slippery ice: the chosen direction 1/3, each perpendicular one 1/3 (--no-slippery: moves always succeed)"""
     positions: bool = True
     """write the player's and the goal's coordinates under the lake (RAGEN-2's CoordFrozenLake; --no-positions: the grid only)"""
+    outcomes: bool = False
+    """write what each move would reach under the lake ("Moves: Left ice, Down to, Right hole, Up wall"; to = ice a step nearer the goal)"""
     max_turns: int = 5
     """turns (replies) per episode"""
     max_actions_per_turn: int = 5
@@ -357,9 +364,11 @@ class FrozenLakeEnv:
         slippery: bool = True,
         desc: Optional[list[str]] = None,
         positions: bool = True,
+        outcomes: bool = False,
     ):
         self.size, self.p, self.slippery, self.fixed_desc = size, p, slippery, desc
         self.positions = positions  # add a line of coordinates under the lake
+        self.outcomes = outcomes  # add a line naming what each move reaches
         self.desc, self.pos, self.done = [], (0, 0), True
         self.rng = np.random.default_rng(0)
 
@@ -377,10 +386,26 @@ class FrozenLakeEnv:
     def observation(self) -> str:
         """What the agent sees: the lake, and (positions=True) the player's and the goal's row and column, which a
         model would otherwise have to work out by counting cells."""
-        if not self.positions:
-            return self.render()
-        (r, c), (gr, gc) = self.pos, find(self.desc, "G")
-        return self.render() + f"\nPlayer at row {r}, column {c}. Goal at row {gr}, column {gc}."
+        text = self.render()
+        if self.positions:
+            (r, c), (gr, gc) = self.pos, find(self.desc, "G")
+            text += f"\nPlayer at row {r}, column {c}. Goal at row {gr}, column {gc}."
+        if self.outcomes:
+            text += "\nMoves: " + ", ".join(f"{a} {self.outcome(a)}" for a in ACTIONS) + "."
+        return text
+
+    def outcome(self, action: str) -> str:
+        """What one move reaches, in one word: "goal", "hole", "wall" (the player stays), else ice "near" (nearer
+        the goal, in rows plus columns) or "far". A fact of the lake, like the coordinates: it says nothing of which
+        move to take."""
+        a = [name.lower() for name in ACTIONS].index(action.strip().lower())
+        ((_, (r, c)),) = transitions(self.desc, self.pos, a, slippery=False)
+        if (r, c) == self.pos:
+            return "wall"
+        if self.desc[r][c] in "HG":
+            return dict(H="hole", G="goal")[self.desc[r][c]]
+        (gr, gc), (pr, pc) = find(self.desc, "G"), self.pos
+        return "to" if abs(gr - r) + abs(gc - c) < abs(gr - pr) + abs(gc - pc) else "ice"
 
     def describe(self) -> dict:
         """The lake as data, for the report's viewer and for rubrics: grid cells, legend, (row, column) positions."""
@@ -393,7 +418,10 @@ class FrozenLakeEnv:
 
     def perceive(self) -> str:
         """The state in a few tokens, for the world-model warm-up's think: the player's and the goal's row and
-        column, and the goal's offset in move words ("at 0 1, goal 3 0: 3 Down 1 Left")."""
+        column, and the goal's offset in move words ("at 0 1, goal 3 0: 3 Down 1 Left"). Nothing with --outcomes:
+        the think then restates the observation's Moves line alone (predict)."""
+        if self.outcomes:
+            return ""
         (r, c), (gr, gc) = self.pos, find(self.desc, "G")
         offset = [f"{abs(gr - r)} {'Down' if gr > r else 'Up'}"] if gr != r else []
         offset += [f"{abs(gc - c)} {'Right' if gc > c else 'Left'}"] if gc != c else []
@@ -401,7 +429,10 @@ class FrozenLakeEnv:
 
     def predict(self, action: str) -> str:
         """What one move would reach if it went as meant (no slip): "_" ice, "O" a hole, "G" the goal, or "wall"
-        when it bumps into the border (the player stays). The lake is not changed."""
+        when it bumps into the border (the player stays). The lake is not changed. With --outcomes, the Moves
+        line's word instead (outcome)."""
+        if self.outcomes:
+            return self.outcome(action)
         a = [name.lower() for name in ACTIONS].index(action.strip().lower())
         ((_, (r, c)),) = transitions(self.desc, self.pos, a, slippery=False)
         return "wall" if (r, c) == self.pos else dict(H="O", G="G").get(self.desc[r][c], "_")
@@ -455,7 +486,9 @@ def success_dp(desc: list[str], budget: int, slippery: bool = True) -> tuple[flo
 
 
 def make_env(args: Args) -> FrozenLakeEnv:
-    return FrozenLakeEnv(size=args.size, p=args.frozen_prob, slippery=args.slippery, positions=args.positions)
+    return FrozenLakeEnv(
+        size=args.size, p=args.frozen_prob, slippery=args.slippery, positions=args.positions, outcomes=args.outcomes
+    )
 
 
 def baselines(args: Args) -> dict:
@@ -529,8 +562,19 @@ def world_model(t: Turn) -> float:
     return sum(a == b for a, b in zip(truth, said)) / len(truth) if truth else 0.0
 
 
+def progress(t: Turn) -> float:
+    """Steps this turn's moves brought the player nearer the goal (rows plus columns; a step away counts -1), and
+    -1 for falling into a hole. A dense hint on top of the sparse payout (log only by default)."""
+    if not t.before or not t.after:
+        return 0.0
+    (r0, c0), (r1, c1), (gr, gc) = t.before["player"], t.after["player"], t.after["goal"]
+    if t.after["grid"][r1][c1] == "X":
+        return -1.0
+    return float(abs(gr - r0) + abs(gc - c0) - abs(gr - r1) - abs(gc - c1))
+
+
 # (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
-RUBRIC = [(env_reward, 1.0), (format_penalty, 0.1), (format_reward, 0.0), (world_model, 0.0)]
+RUBRIC = [(env_reward, 1.0), (format_penalty, 0.1), (format_reward, 0.0), (world_model, 0.0), (progress, 0.0)]
 
 
 # Copied from starpo_bandit.weighted_rubric
@@ -569,10 +613,12 @@ def world_model_think(env) -> str:
     """What a correct world model thinks about env's state: env.perceive() (the state in structured form), then what
     each move would do (env.predict), e.g. "at 0 1, goal 3 0: 3 Down 1 Left. Left _, Down O, Right _, Up wall".
     The world-model warm-up writes it as the think (SPA, arXiv 2510.15047); the world_model rubric checks it.
-    An environment without perceive() and predict() has no world model: "" (an empty think)."""
+    An empty perceive() leaves the moves alone; an environment without perceive() and predict() has no world
+    model: "" (an empty think)."""
     if not (hasattr(env, "perceive") and hasattr(env, "predict")):
         return ""
-    return env.perceive() + ". " + ", ".join(f"{a} {env.predict(a)}" for a in ACTIONS)
+    head, moves = env.perceive(), ", ".join(f"{a} {env.predict(a)}" for a in ACTIONS)
+    return f"{head}. {moves}" if head else moves
 
 
 ########################################################################################################################
@@ -1523,7 +1569,8 @@ def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[lis
     Two moves a turn (not 1 to 5) keeps replies short, uses the whole 10-move budget in 5 turns, and leaves room
     to react to slips: the best agent that answers two moves a turn scores almost what the closed-loop optimum does.
     """
-    moves = [rng.choice(ACTIONS) for _ in range(min(TINY_WARMUP_MOVES, per_turn, left))]
+    n = 1 if env.outcomes else TINY_WARMUP_MOVES  # --outcomes describes the next move only: one a turn
+    moves = [rng.choice(ACTIONS) for _ in range(min(n, per_turn, left))]
     return moves, world_model_think(env)
 
 

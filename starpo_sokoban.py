@@ -53,7 +53,8 @@ How it departs from the paper / RAGEN:
     learns to read the room and its rules, never which move is good (tests/test_world_model.py checks the moves
     are uniform whatever the state). `--warmup-steps N` runs the same stage on any model before RL; the
     world_model rubric component (log only) scores every think against the truth during RL.
-  * The rubric (env reward + format penalty) is explicit and logged per component.
+  * The rubric (env reward + format penalty) is explicit and logged per component; `progress` (log only) counts
+    the steps a turn pushed the boxes nearer their targets, a dense hint to weight with `--rubric-weights`.
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
 in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
@@ -600,7 +601,19 @@ def world_model(t: Turn) -> float:
 
 
 # (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
-RUBRIC = [(env_reward, 1.0), (format_penalty, 1.0), (format_reward, 0.0), (world_model, 0.0)]
+def progress(t: Turn) -> float:
+    """Steps this turn's pushes brought the boxes nearer the targets (each box's rows plus columns to its nearest
+    target, summed; a step away counts -1). A dense hint on top of the sparse payout (log only by default)."""
+    if not t.before or not t.after:
+        return 0.0
+
+    def far(view: dict) -> int:
+        return sum(min(abs(r - tr) + abs(c - tc) for tr, tc in view["targets"]) for r, c in view["boxes"])
+
+    return float(far(t.before) - far(t.after))
+
+
+RUBRIC = [(env_reward, 1.0), (format_penalty, 1.0), (format_reward, 0.0), (world_model, 0.0), (progress, 0.0)]
 
 
 # Copied from starpo_bandit.weighted_rubric
@@ -638,10 +651,12 @@ def world_model_think(env) -> str:
     """What a correct world model thinks about env's state: env.perceive() (the state in structured form), then what
     each move would do (env.predict), e.g. "at 0 1, goal 3 0: 3 Down 1 Left. Left _, Down O, Right _, Up wall".
     The world-model warm-up writes it as the think (SPA, arXiv 2510.15047); the world_model rubric checks it.
-    An environment without perceive() and predict() has no world model: "" (an empty think)."""
+    An empty perceive() leaves the moves alone; an environment without perceive() and predict() has no world
+    model: "" (an empty think)."""
     if not (hasattr(env, "perceive") and hasattr(env, "predict")):
         return ""
-    return env.perceive() + ". " + ", ".join(f"{a} {env.predict(a)}" for a in ACTIONS)
+    head, moves = env.perceive(), ", ".join(f"{a} {env.predict(a)}" for a in ACTIONS)
+    return f"{head}. {moves}" if head else moves
 
 
 ########################################################################################################################

@@ -25,6 +25,7 @@ import re
 import sys
 import time
 from collections import Counter, deque
+from pathlib import Path
 
 import harness
 
@@ -171,21 +172,27 @@ def probe(
     }
 
 
-def world_probe(task: str, test_size: int, seed: int, reading_steps: int = 0) -> dict:
+def world_probe(
+    task: str, test_size: int, seed: int, reading_steps: int = 0, outcomes: bool = False, model_dir: str = ""
+) -> dict:
     """After the world-model warm-up, on held-out first turns (seeds no script trains or evaluates on): how often
     the model's own think (greedy) states each fact of world_model_think right: the player's cell, the goal's or
     box's and target's, the offset, and what each move would do; and how often the whole think is right.
     reading_steps > 0: the script's tiny model built with a reading stage first (common.reading_stage; built into
-    $STARPO_CACHE on first use), its copy probe after the reading stage and after the warm-up reported too."""
+    $STARPO_CACHE on first use), its copy probe after the reading stage and after the warm-up reported too.
+    outcomes: FrozenLake's --outcomes observation (the think restates its Moves line). model_dir: probe that model
+    (e.g. a run's warmup/ folder) instead of building one."""
     script = TASKS[task]["script"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    args = script.Args(outcomes=True) if outcomes else script.Args()
     build = dict(script.TINY_BUILD, **({"reading_steps": reading_steps} if reading_steps else {}))
-    path = common.build_tiny_model(task, script.tiny_warmup_examples(script.Args()), **build)
-    info = json.loads((path / "build_info.json").read_text())
+    path = Path(model_dir) if model_dir else common.build_tiny_model(task, script.tiny_warmup_examples(args), **build)
+    info_file = path / "build_info.json"
+    info = json.loads(info_file.read_text()) if info_file.exists() else {}
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    args, prompts, truths = script.Args(), [], []
+    prompts, truths = [], []
     for i in range(test_size):
         env = script.make_env(args)
         obs = env.reset(9 * 10**8 + i)
@@ -212,7 +219,8 @@ def world_probe(task: str, test_size: int, seed: int, reading_steps: int = 0) ->
         "exact_think": exact / test_size,
         "facts": {k: round(sum(v) / len(v), 3) for k, v in facts.items()},
         "seconds": round(time.time() - t0, 1),
-        "build_seconds": info["build_seconds"],
+        "outcomes": outcomes,
+        "build_seconds": info.get("build_seconds"),
         "reading_probe": info.get("reading_probe"),
         "example": {"truth": truths[0], "said": tok.decode(replies[0][0], skip_special_tokens=True)},
     }
@@ -224,6 +232,8 @@ def main():
     ap.add_argument(
         "--reading", type=int, default=0, metavar="STEPS", help="--world: on a build with a reading stage of STEPS"
     )
+    ap.add_argument("--outcomes", action="store_true", help="--world: FrozenLake's --outcomes observation and think")
+    ap.add_argument("--model", default="", help="--world: probe this model folder instead of building the recipe's")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--prompts", nargs="+", default=["grid", "copy"], choices=["grid", "copy"])
     ap.add_argument("--steps", type=int, default=300, help="supervised steps per probe")
@@ -239,7 +249,11 @@ def main():
     a = ap.parse_args()
     load_start, t0 = harness.os.getloadavg(), time.time()
     if a.world:
-        runs = [world_probe(task, a.test_size, a.seed, a.reading) for task in a.tasks]
+        if a.outcomes and a.tasks != ["frozenlake"]:
+            ap.error("--outcomes is FrozenLake's: add --tasks frozenlake")
+        if a.model and len(a.tasks) != 1:
+            ap.error("--model probes one task's model: name it with --tasks")
+        runs = [world_probe(task, a.test_size, a.seed, a.reading, a.outcomes, a.model) for task in a.tasks]
         for r in runs:
             print(
                 f"{r['task']:10s} well formed {r['well_formed']:.3f}  exact think {r['exact_think']:.3f}  {r['facts']}"

@@ -103,3 +103,16 @@ def test_probe_runs_and_writes_its_result(tmp_path):
         assert all(0 <= a <= 1 for _, a in r["curve"]) and 0 < r["majority_accuracy"] <= 1
         assert r["majority_class"] in fl.ACTIONS
     assert set(result["learned"]) == {"frozenlake/grid", "frozenlake/copy"}
+
+
+def test_world_probe_scores_a_given_model_against_the_outcomes_think():
+    """--world --outcomes --model DIR: the think's facts are the Moves line's four words, one per move."""
+    import common
+
+    path = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(fl.Args()), **fl.TINY_BUILD)  # shipped
+    r = tiny_probe.world_probe("frozenlake", 4, 0, outcomes=True, model_dir=str(path))
+    assert r["outcomes"] and set(r["facts"]) == set(fl.ACTIONS) and r["test_size"] == 4
+    assert all(0 <= v <= 1 for v in r["facts"].values()) and 0 <= r["exact_think"] <= 1
+    env = fl.FrozenLakeEnv(outcomes=True)
+    env.reset(9 * 10**8)  # the probe's first held-out map
+    assert r["example"]["truth"] == fl.world_model_think(env) == env.observation().split("\nMoves: ")[1][:-1]

@@ -129,6 +129,37 @@ def test_symbols_and_rendering():
     assert coords.step("Down")[0].endswith("Player at row 1, column 0. Goal at row 1, column 1.")
 
 
+def test_outcomes_line_names_what_each_move_reaches_and_matches_a_step():
+    """--outcomes: a line under the lake, in the order Left, Down, Right, Up, checked against real moves."""
+    env = fl.FrozenLakeEnv(desc=["FFH", "FSF", "FFG"], slippery=False, positions=False, outcomes=True)
+    assert env.reset(0).endswith("\nMoves: Left ice, Down to, Right to, Up ice.")
+    env.pos = (0, 1)  # the top row: Up bumps into the border, Right is the hole
+    assert [env.outcome(a) for a in fl.ACTIONS] == ["ice", "to", "hole", "wall"] and env.pos == (0, 1)
+    env.pos = (1, 2)
+    assert env.outcome("down") == "goal"
+    lake = fl.FrozenLakeEnv(slippery=False, outcomes=True)
+    for seed in range(40):
+        lake.reset(seed)
+        (gr, gc), (r, c) = fl.find(lake.desc, "G"), lake.pos
+        for a in fl.ACTIONS:
+            said, sim = lake.outcome(a), copy.deepcopy(lake)
+            _, _, _, info = sim.step(a)
+            nearer = abs(gr - sim.pos[0]) + abs(gc - sim.pos[1]) < abs(gr - r) + abs(gc - c)
+            truth = (
+                "wall"
+                if not info["action_is_effective"]
+                else "goal"
+                if info["success"]
+                else "hole"
+                if sim.cell() == "H"
+                else "to"
+                if nearer
+                else "ice"
+            )
+            assert said == truth, (seed, a)
+    assert "Moves:" not in fl.FrozenLakeEnv().reset(0)  # off by default: RAGEN's observation
+
+
 def test_termination_rewards_validity_and_effectiveness():
     env = fl.FrozenLakeEnv(desc=["SFG", "FFF", "FFF"], slippery=False)
     env.reset(0)
@@ -256,6 +287,15 @@ def test_episode_ends_at_the_goal_in_a_hole_and_after_max_turns():
     t, calls = play(["Up"] * 5, OPEN_4X4)
     assert len(t.turns) == 5 and len(calls) == 5  # max_turns
     assert sum(t.mask) == 5 * (len("<think> t </think> <answer> Up </answer>") + 1)
+
+
+def test_progress_counts_steps_nearer_the_goal_and_a_hole_as_minus_one():
+    moves = ["Right || Right", "Left", "Up", "Down || Down"]  # from (1, 1), the goal at (3, 3)
+    t, _ = play(moves, OPEN_4X4, "--max-turns", "4")
+    assert [turn.parts["progress"] for turn in t.turns] == [2.0, -1.0, -1.0, 2.0]
+    t, _ = play(["Right || Left"], ["SHFG", "FFFF", "FFFF", "FFFF"])
+    assert t.turns[0].parts["progress"] == -1.0  # into the hole (one step nearer the goal, but it ends there)
+    assert dict((fn.__name__, w) for fn, w in fl.RUBRIC)["progress"] == 0.0  # log only unless weighted
 
 
 def test_observation_shows_reward_lake_and_moves_left():

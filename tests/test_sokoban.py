@@ -70,6 +70,21 @@ def test_box_on_and_off_target_with_two_boxes():
     assert r_last == pytest.approx(10.9) and done and info["success"]
 
 
+def test_progress_counts_box_steps_nearer_the_targets():
+    view = lambda boxes: dict(boxes=boxes, targets=[[1, 1], [3, 4]])  # noqa: E731 - what describe() gives
+    turn = lambda before, after: ss.Turn("", "", None, None, [], False, 0.0, [], view(before), view(after))  # noqa: E731
+    assert ss.progress(turn([[1, 3]], [[1, 2]])) == 1.0  # one step nearer the target at (1, 1)
+    assert ss.progress(turn([[1, 2]], [[1, 3]])) == -1.0
+    assert ss.progress(turn([[1, 2], [3, 2]], [[1, 1], [3, 3]])) == 2.0  # each box to its nearest target
+    assert ss.progress(ss.Turn("", "", None, None, [], False, 0.0, [])) == 0.0  # no views: nothing to say
+    room = ss.SokobanEnv()
+    room.reset(7)
+    before = room.describe()
+    room.step("Up")  # one move: at most one box, one step
+    real = ss.Turn("", "", None, None, ["Up"], False, 0.0, [], before, room.describe())
+    assert ss.progress(real) in (-1.0, 0.0, 1.0)
+
+
 def test_rendering_symbols():
     env = room("########\n#S√X_O_#\n#_X____#\n########")
     assert env.render() == "# # # # # # # #\n# S √ X _ O _ #\n# _ X _ _ _ _ #\n# # # # # # # #"

@@ -12,11 +12,12 @@ import starpo_frozenlake as fl
 import starpo_sokoban as sk
 
 TASKS = [fl, sk]
+WARMUPS = [(fl, fl.Args()), (fl, fl.Args(outcomes=True)), (sk, sk.Args())]  # FrozenLake with --outcomes too
 
 
-def replay(m):
+def replay(m, args=None):
     """Every warm-up reply with the environment it was written for: (env before the reply, reply) pairs."""
-    args, (first_seed, _) = m.Args(), m.TINY_WARMUP_SEEDS
+    args, (first_seed, _) = args or m.Args(), m.TINY_WARMUP_SEEDS
     out = []
     for e, (messages, last) in enumerate(m.tiny_warmup_examples(args)):
         replies = [x["content"] for x in messages if x["role"] == "assistant"] + [last]
@@ -31,9 +32,10 @@ def replay(m):
     return out
 
 
-@pytest.fixture(scope="module", params=TASKS, ids=lambda m: m.TASK)
+@pytest.fixture(scope="module", params=WARMUPS, ids=lambda w: w[0].TASK + ("-outcomes" * getattr(w[1], "outcomes", 0)))
 def played(request):
-    return request.param, replay(request.param)
+    m, args = request.param
+    return m, replay(m, args)
 
 
 def test_every_warmup_think_is_the_environments_ground_truth(played):
@@ -80,8 +82,9 @@ def test_the_uniform_test_catches_a_warmup_that_prefers_good_moves(played):
     by_state = defaultdict(Counter)
     for env, _ in pairs:
         think = m.world_model_think(env)
-        safe = [a for a in m.ACTIONS if re.search(rf"{a} (_|G|box)", think)] or list(m.ACTIONS)
-        toward = [a for a in safe if f" {a}" in think.split(".")[0]] or safe
+        safe = [a for a in m.ACTIONS if re.search(rf"{a} (_|G|box|to|ice|goal)", think)] or list(m.ACTIONS)
+        offset = think.split(". ")[0] if ". " in think else ""  # "at 0 1, goal 3 0: 3 Down 1 Left"
+        toward = [a for a in safe if f" {a}" in offset or re.search(rf"{a} (to|goal)", think)] or safe
         by_state[re.sub(r"\d", "#", think)][toward[0]] += 1
     chi2, df = pooled_chi_square(by_state, m.ACTIONS)
     assert chi2 > chi_square_critical(df)
