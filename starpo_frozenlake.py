@@ -564,8 +564,9 @@ def world_model(t: Turn) -> float:
 
 def progress(t: Turn) -> float:
     """Steps this turn's moves brought the player nearer the goal (rows plus columns; a step away counts -1), and
-    -1 for falling into a hole. A dense hint on top of the sparse payout (log only by default)."""
-    if not t.before or not t.after:
+    -1 for falling into a hole. A dense hint on top of the sparse payout (log only by default). 0 where the
+    environment's describe() names no goal (a forked environment that has not replaced this component)."""
+    if not t.before or not t.after or "goal" not in t.after:
         return 0.0
     (r0, c0), (r1, c1), (gr, gc) = t.before["player"], t.after["player"], t.after["goal"]
     if t.after["grid"][r1][c1] == "X":
