@@ -162,6 +162,41 @@ def group_advantages(scores: torch.Tensor, norm_std: bool = True, eps: float = 1
     return torch.where(all_equal, 0.0, centred).float()  # (G, n); equal scores carry no signal, exactly 0
 
 
+def turn_group_advantages(
+    turn_rewards: list[list[float]], gamma: float = 1.0, norm_std: bool = True, eps: float = 1e-6
+):
+    """Turn-level GRPO for ONE group: an advantage per turn of each member, [[A_i0, A_i1, ...] per member].
+
+    Each turn's return-to-go G_ij = r_ij + gamma * G_i,j+1 (its own reward and the later turns'; gamma per turn)
+    is compared with the same turn of the other members: A_ij = (G_ij - mean_j) / (std_j + eps), mean and unbiased
+    std over the members that played turn j. So a turn is credited with what followed it, not with what came
+    before, against a baseline that knows how far the episode got. Where fewer than two members played turn j, or
+    they all got the same return, A_ij = 0 (no signal). norm_std=False: G_ij - mean_j (Dr. GRPO). With gamma = 1
+    and one turn per episode this is group_advantages.
+    """
+    togo = []
+    for rewards in turn_rewards:
+        acc, out = 0.0, []
+        for r in reversed(rewards):
+            acc = r + gamma * acc
+            out.append(acc)
+        togo.append(out[::-1])
+    adv = [[0.0] * len(g) for g in togo]
+    for j in range(max((len(g) for g in togo), default=0)):
+        who = [i for i, g in enumerate(togo) if len(g) > j]
+        if len(who) < 2:
+            continue
+        x = torch.tensor([togo[i][j] for i in who], dtype=torch.float64)  # (members at turn j,)
+        if x.max() == x.min():
+            continue
+        a = x - x.mean()
+        if norm_std:
+            a = a / (x.std(unbiased=True) + eps)
+        for i, v in zip(who, a.tolist()):
+            adv[i][j] = v
+    return adv
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0):
     """Generalised advantage estimation over token positions, skipping masked (non-trained) positions.
 

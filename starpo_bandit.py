@@ -1014,8 +1014,8 @@ def common_checks(args: Args) -> list[tuple[str, bool, str]]:
     return [
         (
             "--group-size",
-            args.group_size >= 2 or args.estimator != "grpo",
-            "must be >= 2 with --estimator grpo (a group of one has no baseline)",
+            args.group_size >= 2 or args.estimator not in ("grpo", "turn-grpo"),
+            f"must be >= 2 with --estimator {args.estimator} (a group of one has no baseline)",
         ),
         ("--group-size", args.group_size >= 1, "must be >= 1"),
         ("--n-groups", args.n_groups >= 1, "must be >= 1"),

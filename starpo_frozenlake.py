@@ -149,8 +149,8 @@ class Args:
     # ---- algorithm ----
     algo: Literal["starpo", "starpo-s"] = "starpo-s"
     """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
-    estimator: Literal["gae", "grpo"] = "gae"
-    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward"""
+    estimator: Literal["gae", "grpo", "turn-grpo"] = "gae"
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn"""
     n_groups: int = 8
     """groups (distinct initial states) per step"""
     group_size: int = 16
@@ -178,7 +178,7 @@ class Args:
     norm_adv_by_std: bool = True
     """grpo: divide by the group std (off = Dr. GRPO)"""
     gamma: float = 1.0
-    """gae discount"""
+    """discount: gae per token, turn-grpo per turn"""
     lam: float = 1.0
     """gae lambda"""
     turn_rewards: bool = True
@@ -394,12 +394,17 @@ class FrozenLakeEnv:
             text += "\nMoves: " + ", ".join(f"{a} {self.outcome(a)}" for a in ACTIONS) + "."
         return text
 
-    def outcome(self, action: str) -> str:
-        """What one move reaches, in one word: "goal", "hole", "wall" (the player stays), else ice "near" (nearer
-        the goal, in rows plus columns) or "far". A fact of the lake, like the coordinates: it says nothing of which
-        move to take."""
+    def reach(self, action: str) -> tuple[int, int]:
+        """The cell one move would reach if it went as meant (no slip); the player's own cell at the border."""
         a = [name.lower() for name in ACTIONS].index(action.strip().lower())
-        ((_, (r, c)),) = transitions(self.desc, self.pos, a, slippery=False)
+        ((_, cell),) = transitions(self.desc, self.pos, a, slippery=False)
+        return cell
+
+    def outcome(self, action: str) -> str:
+        """What one move reaches, in one word: "goal", "hole", "wall" (the player stays), else ice "to" (a step
+        nearer the goal, in rows plus columns) or "ice". A fact of the lake, like the coordinates: it says nothing of
+        which move to take."""
+        r, c = self.reach(action)
         if (r, c) == self.pos:
             return "wall"
         if self.desc[r][c] in "HG":
@@ -433,8 +438,7 @@ class FrozenLakeEnv:
         line's word instead (outcome)."""
         if self.outcomes:
             return self.outcome(action)
-        a = [name.lower() for name in ACTIONS].index(action.strip().lower())
-        ((_, (r, c)),) = transitions(self.desc, self.pos, a, slippery=False)
+        r, c = self.reach(action)
         return "wall" if (r, c) == self.pos else dict(H="O", G="G").get(self.desc[r][c], "_")
 
     def cell(self) -> str:
@@ -1152,6 +1156,20 @@ def place_rewards(rows: list[Row], trajs: list[Trajectory], width: int, turn_rew
     return out
 
 
+# Copied from starpo_sokoban.place_turn_values
+def place_turn_values(rows: list[Row], values: list[list[float]], width: int) -> torch.Tensor:
+    """(rows, width): values[traj][j] on every column of turn j's reply in each row, 0 elsewhere (turn-grpo's
+    advantages). A turn's columns run from the column after the previous turn's last sampled token to its own last
+    one; the observation tokens in between are masked out by the caller. Column t scores token t + 1 of the row."""
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        prev = 0
+        for last, j in zip(r.last_index, r.turn_ids):
+            out[i, prev:last] = values[r.traj][j]
+            prev = last
+    return out
+
+
 # Copied from starpo_sokoban.collate
 def collate(rows: list[Row], pad_id: int, device) -> dict:
     """Rows right-padded to T. Column t of the (B, T - 1) loss tensors scores ids[t + 1] given ids[: t + 1]:
@@ -1460,8 +1478,8 @@ def common_checks(args: Args) -> list[tuple[str, bool, str]]:
     return [
         (
             "--group-size",
-            args.group_size >= 2 or args.estimator != "grpo",
-            "must be >= 2 with --estimator grpo (a group of one has no baseline)",
+            args.group_size >= 2 or args.estimator not in ("grpo", "turn-grpo"),
+            f"must be >= 2 with --estimator {args.estimator} (a group of one has no baseline)",
         ),
         ("--group-size", args.group_size >= 1, "must be >= 1"),
         ("--n-groups", args.n_groups >= 1, "must be >= 1"),
@@ -1788,6 +1806,15 @@ def main(argv=None):
             adv = group_advantages(scores[kept], norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
             row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
             advantages = adv[row_traj][:, None] * mask  # (N, T - 1): the trajectory's value on its sampled tokens
+            returns = None
+        elif args.estimator == "turn-grpo":
+            per_turn = [[turn.reward for turn in t.turns] for t in kept_trajs]  # each kept trajectory's turn rewards
+            values = [
+                a
+                for g in range(0, len(per_turn), n)
+                for a in common.turn_group_advantages(per_turn[g : g + n], args.gamma, args.norm_adv_by_std)
+            ]  # kept groups are n consecutive trajectories
+            advantages = place_turn_values(rows, values, mask.shape[1]).to(device) * mask  # (N, T - 1)
             returns = None
         else:
             # Each turn's reward sits on its last sampled token; the observation tokens between turns are masked,

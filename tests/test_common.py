@@ -422,6 +422,44 @@ def test_group_advantages_binary_rewards_vs_python():
     close(group_advantages(S), py_group_advantages(S.tolist()))
 
 
+def test_turn_group_advantages_hand_worked():
+    """Rewards per turn [[0, 1], [0], [1, 0, 0]], gamma 1: returns-to-go [[1, 1], [0], [1, 0, 0]]. Turn 0: all three
+    (1, 0, 1), mean 2/3, std sqrt(1/3); turn 1: members 0 and 2 (1, 0), mean 1/2, std sqrt(1/2); turn 2: member 2
+    alone, no baseline, 0."""
+    a, b = (1 / 3) / math.sqrt(1 / 3), 0.5 / math.sqrt(0.5)
+    out = common.turn_group_advantages([[0.0, 1.0], [0.0], [1.0, 0.0, 0.0]])
+    close([x for row in out for x in row], [a, b, -2 * a, a, -b, 0.0])
+    dr = common.turn_group_advantages([[0.0, 1.0], [0.0], [1.0, 0.0, 0.0]], norm_std=False)  # Dr. GRPO: G - mean
+    close([x for row in dr for x in row], [1 / 3, 0.5, -2 / 3, 1 / 3, -0.5, 0.0])
+
+
+def test_turn_group_advantages_discount():
+    """gamma 0.5: [[1, 2], [0, 0]] has returns-to-go [[2, 2], [0, 0]]; gamma 0 leaves each turn its own reward
+    [[1, 2], [0, 0]]: the same signs, other turn-0 margins."""
+    g5 = common.turn_group_advantages([[1.0, 2.0], [0.0, 0.0]], gamma=0.5, norm_std=False)
+    g0 = common.turn_group_advantages([[1.0, 2.0], [0.0, 0.0]], gamma=0.0, norm_std=False)
+    close([x for row in g5 for x in row], [1.0, 1.0, -1.0, -1.0])
+    close([x for row in g0 for x in row], [0.5, 1.0, -0.5, -1.0])
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_turn_group_advantages_one_turn_is_group_advantages(n):
+    """Episodes of one turn: turn-level GRPO is trajectory-level GRPO."""
+    S = torch.randn(1, n, generator=gen(520 + n))
+    out = common.turn_group_advantages([[x] for x in S[0].tolist()])
+    close([row[0] for row in out], group_advantages(S)[0].tolist())
+
+
+def test_turn_group_advantages_no_signal_is_zero_never_nan():
+    """Equal returns at a turn, a lone member, no members, empty episodes: zeros of the right shapes."""
+    assert common.turn_group_advantages([[0.1, 1.0], [0.1, 1.0]]) == [[0.0, 0.0], [0.0, 0.0]]
+    assert common.turn_group_advantages([[1.0]]) == [[0.0]]
+    assert common.turn_group_advantages([]) == []
+    out = common.turn_group_advantages([[], [1.0], [0.0, 2.0]])
+    assert [len(r) for r in out] == [0, 1, 2] and out[2][1] == 0.0  # turn 1: member 2 alone
+    assert out[1][0] == -out[2][0] != 0.0  # turn 0: returns 1 and 2
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (1, 5), (3, 6), (4, 12)])
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 1.0), (1.0, 0.0)])

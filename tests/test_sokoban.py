@@ -411,6 +411,31 @@ def test_place_rewards_full_history_and_per_turn(tiny):
         assert tr[j, row.last_index[0] - 1].item() == pytest.approx(sum(r[j:]))  # return-to-go
 
 
+def test_place_turn_values_covers_each_turns_sampled_tokens_exactly(tiny):
+    """turn-grpo: each turn's value on exactly that turn's sampled tokens (once masked), in a full-history row and in
+    the one-turn rows of --max-context-turns."""
+    _, tok = tiny
+    traj, _, _ = run_scripted(
+        tok, unsolved_seed(["Up", "Left"]), [reply("Jump"), reply("Up"), reply("Left")], max_turns=3
+    )
+    values = [[2.0, -1.0, 0.5]]
+    full = ss.training_rows([traj], None)
+    mask = torch.tensor(full[0].mask[1:], dtype=torch.float)  # column t scores token t + 1
+    placed = ss.place_turn_values(full, values, len(traj.ids) - 1)[0] * mask
+    for j, (start, last) in enumerate(zip(traj.turn_start, traj.turn_last_index)):
+        assert placed[start - 1 : last].tolist() == [values[0][j]] * (last - start + 1)
+    assert placed.abs().sum().item() == pytest.approx(
+        sum(abs(v) * sum(traj.mask[s : e + 1]) for v, s, e in zip(values[0], traj.turn_start, traj.turn_last_index))
+    )
+    per_turn = ss.training_rows([traj], 1)
+    width = max(len(x.ids) for x in per_turn) - 1
+    placed = ss.place_turn_values(per_turn, values, width)
+    for j, row in enumerate(per_turn):
+        m = torch.zeros(width)
+        m[: len(row.ids) - 1] = torch.tensor(row.mask[1:], dtype=torch.float)
+        assert set((placed[j] * m)[m.bool()].tolist()) == {values[0][j]}
+
+
 # ---- log-prob consistency: generation vs the update pass ---------------------------------------------------------
 
 
@@ -618,14 +643,14 @@ def read(path):
     return [json.loads(line) for line in open(path)]
 
 
-def check_run(run_dir, out: str, gae: bool):
+def check_run(run_dir, out: str, gae: bool, kl: bool | None = None):
     rows_ = read(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows_] == [0, 1, 2]
     assert EXPECTED_KEYS <= set(rows_[1]), EXPECTED_KEYS - set(rows_[1])
     assert VAL_KEYS <= set(rows_[0]) and VAL_KEYS <= set(rows_[2]) and "timing_s/eval" in rows_[2]
     assert rows_[0]["val/optimal_success"] >= 0.75 and rows_[0]["val/optimal_length/mean"] > 0
     assert rows_[1]["actor/skipped_updates"] == 0
-    assert ("critic/vf_loss" in rows_[1]) == gae and ("actor/kl_loss" in rows_[1]) == (not gae)
+    assert ("critic/vf_loss" in rows_[1]) == gae and ("actor/kl_loss" in rows_[1]) == (not gae if kl is None else kl)
     ckpt = common.latest_checkpoint(run_dir)
     assert ckpt is not None and ckpt.name == "step-000002" and (ckpt / "policy" / "config.json").exists()
     assert ("critic" in common.load_checkpoint_state(ckpt)) == gae
@@ -672,13 +697,16 @@ def test_smoke_two_steps_default(smoke_run):
     "flags",
     [
         ["--algo", "starpo", "--estimator", "grpo"],
+        ["--estimator", "turn-grpo", "--gamma", "0.9"],
         ["--max-context-turns", "1", "--no-turn-rewards", "--mask-truncated"],
+        ["--max-context-turns", "1", "--estimator", "turn-grpo"],
     ],
 )
 def test_smoke_two_steps(flags, tmp_path):
     r = run_script("--steps", "2", *SMOKE, "--output-dir", str(tmp_path), *flags)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows_ = check_run(tmp_path, r.stdout + r.stderr, gae="grpo" not in flags)
+    grpo = "grpo" in flags or "turn-grpo" in flags
+    rows_ = check_run(tmp_path, r.stdout + r.stderr, gae=not grpo, kl="starpo" in flags)
     if "--max-context-turns" in flags:  # one training row per turn
         assert rows_[1]["rollout/trained_rows"] >= 2
 
