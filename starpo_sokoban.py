@@ -141,7 +141,7 @@ class Args:
     max_actions_per_traj: int = 10
     """moves per episode; moves beyond the remaining budget are dropped"""
     max_context_turns: Optional[int] = None
-    """show the model only the first prompt plus the last k turns (each turn becomes its own training row); default: the full history"""
+    """show the model only the first prompt plus the last k turns (each turn becomes its own training row); 0 = each turn a conversation of its own, the rules and the current state (no earlier reply to copy); default: the full history"""
     # ---- rubric ----
     rubric_weights: str = ""
     """change RUBRIC's weights, e.g. 'format_penalty=0.1,format_reward=0.5' (weight 0 = log only)"""
@@ -680,13 +680,12 @@ def state_message(turn: int, obs: str, actions_left: int) -> str:
     return f"Turn {turn}:\nState:\n{obs}\nYou have {actions_left} actions left. {FORMAT_PROMPT}"
 
 
-def first_messages(obs: str, args: Args) -> list[dict]:
-    """System + turn 1: the rules, legend, legal moves, budget and separator, then the first state."""
+def first_messages(obs: str, args: Args, feedback: Optional[str] = None) -> list[dict]:
+    """System + turn 1: the rules, legend, legal moves, budget and separator, then the first state; with feedback
+    (a later turn's feedback_message, for --max-context-turns 0) that turn instead, as a conversation of its own."""
     rules = RULES.format(per_turn=args.max_actions_per_turn, per_traj=args.max_actions_per_traj)
-    return [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": rules + "\n" + state_message(1, obs, args.max_actions_per_traj)},
-    ]
+    state = state_message(1, obs, args.max_actions_per_traj) if feedback is None else feedback
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": rules + "\n" + state}]
 
 
 def feedback_message(reward: float, turn: int, obs: str, actions_left: int) -> str:
@@ -967,6 +966,8 @@ class Trajectory:
     ids[:first_len] is the chat-formatted first prompt; mask is 1 exactly on the sampled reply tokens; gen_logprobs
     holds their generation-time log-probs (0 elsewhere); turn_start[j] / turn_last_index[j] are the index of turn j's
     first / last sampled token, turn_prompt_start[j] where its context resumed after the first prompt.
+    With --max-context-turns 0, prompts[j] is turn j + 2's prompt, a conversation of its own (first_messages with
+    that turn's feedback); ids still records the whole episode.
     """
 
     seed: int
@@ -977,6 +978,7 @@ class Trajectory:
     turn_start: list = field(default_factory=list)
     turn_last_index: list = field(default_factory=list)
     turn_prompt_start: list = field(default_factory=list)
+    prompts: list = field(default_factory=list)  # --max-context-turns 0: each later turn's own prompt
     turns: list = field(default_factory=list)  # Turn records
     success: bool = False
     context_overflow: bool = False  # the next turn could not fit under --max-model-len: the episode ended early
@@ -1023,10 +1025,13 @@ def rollout_record(t: Trajectory, step: int, split: str) -> dict:
 
 
 def context_ids(t: Trajectory, k: Optional[int]) -> tuple[list[int], int]:
-    """The prompt for the next turn and where its history resumes in t.ids: everything, or first prompt + last k turns."""
+    """The prompt for the next turn and where its history resumes in t.ids: everything, or first prompt + last k turns,
+    or (k = 0, after the first turn) the turn's own prompt, which holds nothing of t.ids (resume = len(t.ids))."""
     n = len(t.turns)
     if k is None or n <= k:
         return list(t.ids), t.first_len  # a copy: t.ids keeps growing after the prompt is handed out
+    if k == 0:
+        return list(t.prompts[n - 1]), len(t.ids)
     resume = t.turn_start[n - k]
     return t.ids[: t.first_len] + t.ids[resume:], resume
 
@@ -1108,7 +1113,13 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
             obs_ids = tok(
                 "\n<|im_start|>user\n" + feedback + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
             )["input_ids"]
-            next_len = len(context_ids(t, args.max_context_turns)[0]) + len(obs_ids)  # the next turn's prompt
+            if args.max_context_turns == 0:  # the next turn's prompt: the rules and this feedback, no history
+                text = tok.apply_chat_template(
+                    first_messages(obs[i], args, feedback), add_generation_prompt=True, tokenize=False
+                )
+                t.prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            next_len = len(context_ids(t, args.max_context_turns)[0])  # the next turn's prompt
+            next_len += len(obs_ids) if args.max_context_turns != 0 else 0  # (k = 0: that prompt is complete)
             if next_len + args.max_tokens > args.max_model_len:
                 t.context_overflow = True  # the next turn could not fit: the episode ends here
                 continue
@@ -1147,19 +1158,20 @@ def training_rows(trajs: list[Trajectory], k: Optional[int]) -> list[Row]:
             continue
         for j in range(len(t.turns)):
             start, end = t.turn_start[j], t.turn_last_index[j] + 1  # this turn's sampled reply
-            prefix = list(range(t.first_len)) + list(
-                range(t.turn_prompt_start[j], start)
-            )  # the context it was sampled in
-            idx = prefix + list(range(start, end))
+            if k == 0 and j > 0:  # the turn's own prompt
+                prompt = t.prompts[j - 1]
+            else:  # the context it was sampled in: the first prompt and the history it was shown
+                prompt = t.ids[: t.first_len] + t.ids[t.turn_prompt_start[j] : start]
+            ids = prompt + t.ids[start:end]
             rows.append(
                 Row(
                     n,
-                    [t.ids[i] for i in idx],
-                    [0] * len(prefix) + t.mask[start:end],
-                    [0.0] * len(prefix) + t.gen_logprobs[start:end],
-                    [len(idx) - 1],
+                    ids,
+                    [0] * len(prompt) + t.mask[start:end],
+                    [0.0] * len(prompt) + t.gen_logprobs[start:end],
+                    [len(ids) - 1],
                     [j],
-                    t.first_len,
+                    len(prompt) if k == 0 else t.first_len,
                 )
             )
     return rows
@@ -1551,8 +1563,8 @@ def resolve_args(args: Args):
         ("--max-actions-per-traj", args.max_actions_per_traj >= 1, "must be >= 1"),
         (
             "--max-context-turns",
-            args.max_context_turns is None or args.max_context_turns >= 1,
-            "must be >= 1 (the last turn holds the current state)",
+            args.max_context_turns is None or args.max_context_turns >= 0,
+            "must be >= 0 (0: each turn shows the current state alone)",
         ),
     ]
     for flag, ok, msg in checks:

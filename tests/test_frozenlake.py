@@ -659,7 +659,7 @@ def read(path):
 @pytest.mark.parametrize(
     "flags,needle",
     [
-        (["--max-context-turns", "0"], "--max-context-turns"),
+        (["--max-context-turns", "-1"], "--max-context-turns"),
         (["--max-turns", "0"], "--max-turns"),
         (["--max-actions-per-turn", "0"], "--max-actions-per-turn"),
         (["--max-actions-per-traj", "0"], "--max-actions-per-traj"),

@@ -391,6 +391,35 @@ def test_max_context_turns_prompts_and_rows(tiny):
         assert sum(row.mask) == len(reply_ids) and row.mask[-len(reply_ids) :] == [1] * len(reply_ids)
 
 
+def test_max_context_turns_zero_shows_each_turn_alone(tiny):
+    """--max-context-turns 0: turn 1 sees the first prompt; every later turn a conversation of its own, the rules
+    and that turn's feedback (the state) with no earlier reply in it; each turn its own training row, its reply
+    tokens exactly as sampled (taken from the transcript, ids, which still holds the whole episode)."""
+    _, tok = tiny
+    moves = ["Up", "Left", "Down"]
+    traj, log, args = run_scripted(
+        tok, unsolved_seed(moves), [reply(m) for m in moves], max_context_turns=0, max_turns=3
+    )
+    assert log[0][0] == traj.ids[: traj.first_len] and len(log) == len(traj.turns) == 3
+    left = args.max_actions_per_traj
+    for j in range(1, 3):
+        left -= len(traj.turns[j - 1].actions)
+        feedback = ss.feedback_message(traj.turns[j - 1].reward, j + 1, traj.turns[j].state, left)
+        text = tok.apply_chat_template(
+            ss.first_messages(None, args, feedback), add_generation_prompt=True, tokenize=False
+        )
+        assert log[j][0] == tok(text, add_special_tokens=False)["input_ids"]
+        shown = tok.decode(log[j][0]).count("<answer>")
+        assert shown == tok.decode(log[0][0]).count("<answer>")  # the format instruction's: no earlier reply
+    rows_ = ss.training_rows([traj], 0)
+    assert [r.turn_ids for r in rows_] == [[0], [1], [2]]
+    for j, row in enumerate(rows_):
+        reply_ids = traj.ids[traj.turn_start[j] : traj.turn_last_index[j] + 1]
+        assert row.ids == log[j][0] + reply_ids and row.first_len == len(log[j][0])
+        assert row.mask == [0] * len(log[j][0]) + [1] * len(reply_ids)
+        assert row.gen_logprobs[row.first_len :] == traj.gen_logprobs[traj.turn_start[j] : traj.turn_last_index[j] + 1]
+
+
 def test_place_rewards_full_history_and_per_turn(tiny):
     _, tok = tiny
     traj, _, _ = run_scripted(
@@ -542,7 +571,7 @@ def run_script(*flags, timeout=900):
 
 def test_bad_flag_fails_in_one_line_from_the_command_line(tmp_path):
     out = tmp_path / "run"
-    r = run_script("--max-context-turns", "0", "--output-dir", str(out), timeout=120)
+    r = run_script("--max-context-turns", "-1", "--output-dir", str(out), timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert r.stderr.startswith("error: --max-context-turns") and not out.exists()
 
@@ -551,7 +580,7 @@ def test_bad_flag_fails_in_one_line_from_the_command_line(tmp_path):
     "flags,needle",
     [
         (["--estimator", "grpo", "--group-size", "1"], "--group-size"),
-        (["--max-context-turns", "0"], "--max-context-turns"),
+        (["--max-context-turns", "-1"], "--max-context-turns"),
         (["--num-boxes", "0"], "--num-boxes"),
         (["--size", "3"], "--size"),
         (["--max-turns", "0"], "--max-turns"),
