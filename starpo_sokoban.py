@@ -1054,7 +1054,9 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         trajs.append(Trajectory(seed, len(ids), list(ids), [0] * len(ids), [0.0] * len(ids)))
     stops = set(stop_token_ids(tok))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    turn_cache = common.TurnCache()  # hf: each episode's KV cache to the next turn; lives as long as this rollout
+    # hf: each episode's KV cache to the next turn, for as long as this rollout lives (none where no prompt extends
+    # the last one: --max-context-turns 0)
+    turn_cache = common.TurnCache() if args.max_context_turns != 0 else None
     active = [i for i, t in enumerate(trajs) if len(t.ids) + args.max_tokens <= args.max_model_len]
     for i in set(range(len(trajs))) - set(active):
         trajs[i].context_overflow = True

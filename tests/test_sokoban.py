@@ -507,7 +507,7 @@ def test_hidden_states_runs_each_first_prompt_once_and_equals_a_full_pass(tiny):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-3)
 
 
-@pytest.mark.parametrize("k", [None, 1])
+@pytest.mark.parametrize("k", [None, 1, 0])
 def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     """Cross-turn KV reuse is exact: under the same random stream a rollout that prefills only each turn's new
     tokens samples the same tokens with the same log-probs as one that prefills the whole episode every turn, across
@@ -531,6 +531,9 @@ def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     assert [t.ids for t in full] == [t.ids for t in reused]
     for a, b in zip(full, reused):
         torch.testing.assert_close(torch.tensor(b.gen_logprobs), torch.tensor(a.gen_logprobs), atol=1e-4, rtol=0)
+    if k == 0:  # each turn a prompt of its own: nothing to reuse, and the rollout keeps no cache
+        assert caches and all(c is None for c in caches)
+        return
     cache, calls = caches[-1], calls[len(calls) // 2 :]  # the reusing run's cache and its calls
     assert len(calls) >= 3  # the episodes did go on
     # turn 1 has nothing stored; with k = 1 turn 2 still extends turn 1 (the window is not full yet), then misses
@@ -539,7 +542,7 @@ def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     )
 
 
-@pytest.mark.parametrize("k", [None, 1])
+@pytest.mark.parametrize("k", [None, 1, 0])
 def test_generation_logprobs_match_update_pass(tiny, k):
     """hf backend, float32, real multi-turn rollouts of different lengths in one batch: the training pass re-scores
     every sampled token exactly as the sampler saw it (observation tokens in between, right padding, temperature)."""
