@@ -21,6 +21,7 @@ MULTI_TURN_CORE = {
     "Row",
     "training_rows",
     "place_rewards",
+    "place_turn_values",
     "collate",
     "micro_view",
     "policy_forward",
