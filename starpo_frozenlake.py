@@ -39,8 +39,10 @@ How it departs from the paper / RAGEN:
   * The lake is followed by a line of coordinates ("Player at row 0, column 1. Goal at row 3, column 0."), as in
     RAGEN-2's CoordFrozenLake; `--no-positions` shows the grid alone, as RAGEN v1 did. `--outcomes` adds a line
     of what each move would reach ("Moves: Left ice, Down to, Right hole, Up wall"; to = ice a step nearer the
-    goal): facts of the lake, not advice. With it the world-model think restates that line and the warm-up
-    answers one move a turn. Off by default (the README has what it did for the tiny model).
+    goal): facts of the lake, not advice. With it the world-model think restates that line outcome first and
+    picks one move ("ice Left, to Down, hole Right, wall Up. to Down"), the warm-up's pick uniformly random, one
+    move a turn; RL then only has to prefer a word. Off by default; on a tiny model with the reading stage it is
+    the first multi-turn recipe here that learns (README: "The first multi-turn run that learns").
   * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built on first use with a
     world-model warm-up (SPA, arXiv 2510.15047): 300 supervised steps on self-play episodes whose moves are
     uniformly random (two a turn) and whose think is the environment's own account of the lake: where the player
@@ -423,10 +425,11 @@ class FrozenLakeEnv:
 
     def perceive(self) -> str:
         """The state in a few tokens, for the world-model warm-up's think: the player's and the goal's row and
-        column, and the goal's offset in move words ("at 0 1, goal 3 0: 3 Down 1 Left"). Nothing with --outcomes:
-        the think then restates the observation's Moves line alone (predict)."""
+        column, and the goal's offset in move words ("at 0 1, goal 3 0: 3 Down 1 Left"). With --outcomes, the
+        observation's Moves line restated outcome first ("ice Left, to Down, hole Right, wall Up"), so that a word
+        written again later is followed by its move (an induction: see warmup_reply)."""
         if self.outcomes:
-            return ""
+            return ", ".join(f"{self.outcome(a)} {a}" for a in ACTIONS)
         (r, c), (gr, gc) = self.pos, find(self.desc, "G")
         offset = [f"{abs(gr - r)} {'Down' if gr > r else 'Up'}"] if gr != r else []
         offset += [f"{abs(gc - c)} {'Right' if gc > c else 'Left'}"] if gc != c else []
@@ -434,10 +437,10 @@ class FrozenLakeEnv:
 
     def predict(self, action: str) -> str:
         """What one move would reach if it went as meant (no slip): "_" ice, "O" a hole, "G" the goal, or "wall"
-        when it bumps into the border (the player stays). The lake is not changed. With --outcomes, the Moves
-        line's word instead (outcome)."""
+        when it bumps into the border (the player stays). The lake is not changed. With --outcomes, nothing
+        (perceive has said it all; outcome gives the word)."""
         if self.outcomes:
-            return self.outcome(action)
+            return ""
         r, c = self.reach(action)
         return "wall" if (r, c) == self.pos else dict(H="O", G="G").get(self.desc[r][c], "_")
 
@@ -618,12 +621,13 @@ def world_model_think(env) -> str:
     """What a correct world model thinks about env's state: env.perceive() (the state in structured form), then what
     each move would do (env.predict), e.g. "at 0 1, goal 3 0: 3 Down 1 Left. Left _, Down O, Right _, Up wall".
     The world-model warm-up writes it as the think (SPA, arXiv 2510.15047); the world_model rubric checks it.
-    An empty perceive() leaves the moves alone; an environment without perceive() and predict() has no world
-    model: "" (an empty think)."""
+    An empty perceive() leaves the moves alone, and a move whose predict() is empty is left out (FrozenLake's
+    --outcomes perceives everything); an environment without perceive() and predict() has no world model: "" (an
+    empty think)."""
     if not (hasattr(env, "perceive") and hasattr(env, "predict")):
         return ""
-    head, moves = env.perceive(), ", ".join(f"{a} {env.predict(a)}" for a in ACTIONS)
-    return f"{head}. {moves}" if head else moves
+    head, moves = env.perceive(), ", ".join(f"{a} {p}" for a in ACTIONS if (p := env.predict(a)))
+    return ". ".join(part for part in (head, moves) if part)
 
 
 ########################################################################################################################
@@ -1604,7 +1608,10 @@ def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[lis
     """
     n = 1 if env.outcomes else TINY_WARMUP_MOVES  # --outcomes describes the next move only: one a turn
     moves = [rng.choice(ACTIONS) for _ in range(min(n, per_turn, left))]
-    return moves, world_model_think(env)
+    think = world_model_think(env)
+    if env.outcomes:  # the pick: the chosen move's word, then the move, as the restated line pairs them
+        think += "".join(f". {env.outcome(m)} {m}" for m in moves)  # ("... wall Up. to Down"); RL learns which word
+    return moves, think
 
 
 # Copied from starpo_sokoban.tiny_warmup_examples

@@ -651,12 +651,13 @@ def world_model_think(env) -> str:
     """What a correct world model thinks about env's state: env.perceive() (the state in structured form), then what
     each move would do (env.predict), e.g. "at 0 1, goal 3 0: 3 Down 1 Left. Left _, Down O, Right _, Up wall".
     The world-model warm-up writes it as the think (SPA, arXiv 2510.15047); the world_model rubric checks it.
-    An empty perceive() leaves the moves alone; an environment without perceive() and predict() has no world
-    model: "" (an empty think)."""
+    An empty perceive() leaves the moves alone, and a move whose predict() is empty is left out (FrozenLake's
+    --outcomes perceives everything); an environment without perceive() and predict() has no world model: "" (an
+    empty think)."""
     if not (hasattr(env, "perceive") and hasattr(env, "predict")):
         return ""
-    head, moves = env.perceive(), ", ".join(f"{a} {env.predict(a)}" for a in ACTIONS)
-    return f"{head}. {moves}" if head else moves
+    head, moves = env.perceive(), ", ".join(f"{a} {p}" for a in ACTIONS if (p := env.predict(a)))
+    return ". ".join(part for part in (head, moves) if part)
 
 
 ########################################################################################################################

@@ -180,7 +180,8 @@ def world_probe(
     box's and target's, the offset, and what each move would do; and how often the whole think is right.
     reading_steps > 0: the script's tiny model built with a reading stage first (common.reading_stage; built into
     $STARPO_CACHE on first use), its copy probe after the reading stage and after the warm-up reported too.
-    outcomes: FrozenLake's --outcomes observation (the think restates its Moves line). model_dir: probe that model
+    outcomes: FrozenLake's --outcomes observation (the think restates its Moves line, then picks: the whole think
+    counts as right when the restated line is, whatever it picks). model_dir: probe that model
     (e.g. a run's warmup/ folder) instead of building one."""
     script = TASKS[task]["script"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -192,24 +193,30 @@ def world_probe(
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts, truths = [], []
+    prompts, truths, envs = [], [], []
     for i in range(test_size):
         env = script.make_env(args)
         obs = env.reset(9 * 10**8 + i)
+        envs.append(env)
         text = tok.apply_chat_template(script.first_messages(obs, args), add_generation_prompt=True, tokenize=False)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
         truths.append(script.world_model_think(env))
     common.seed_everything(seed)
     t0 = time.time()
     replies = script.hf_generate(model, tok, prompts, 1e-4, 1.0, 128, 64)  # temperature ~0: the model's best guess
-    facts, exact, formatted = {}, 0, 0
-    for (ids, _), truth in zip(replies, truths):
+    facts, exact, formatted, picks = {}, 0, 0, []
+    for (ids, _), truth, env in zip(replies, truths, envs):
         think, answer = script.parse_reply(tok.decode(ids, skip_special_tokens=True))
+        if outcomes:  # the pick ("... wall Up. to Down"): its word is what its move reaches; the answer is its move
+            word, _, move = (think or "").rsplit(". ", 1)[-1].partition(" ")
+            consistent = move in script.ACTIONS and env.outcome(move) == word
+            picks.append((consistent, (answer or "").strip() == move, consistent and word in ("to", "goal")))
         formatted += think is not None and answer is not None
-        exact += think == truth
+        exact += think == truth or bool(outcomes and think and think.startswith(truth + ". "))  # (then its pick)
         said = re.split(r"[.,:]\s+", think) if think else []
         for k, fact in enumerate(re.split(r"[.,:]\s+", truth)):
-            name = fact.split()[0] if fact.split()[0] in script.ACTIONS else ["player", "second", "third"][min(k, 2)]
+            move = [w for w in fact.split() if w in script.ACTIONS]  # "Left _" or, with --outcomes, "ice Left"
+            name = move[0] if len(move) == 1 and len(fact.split()) == 2 else ["player", "second", "third"][min(k, 2)]
             facts.setdefault(name, []).append(k < len(said) and said[k] == fact)
     return {
         "task": task,
@@ -220,6 +227,15 @@ def world_probe(
         "facts": {k: round(sum(v) / len(v), 3) for k, v in facts.items()},
         "seconds": round(time.time() - t0, 1),
         "outcomes": outcomes,
+        **(
+            {
+                "pick_consistent": sum(p[0] for p in picks) / test_size,  # its word is what its move reaches
+                "answer_copies_pick": sum(p[1] for p in picks) / test_size,
+                "pick_to_or_goal": sum(p[2] for p in picks) / test_size,  # what RL raises
+            }
+            if outcomes
+            else {}
+        ),
         "build_seconds": info.get("build_seconds"),
         "reading_probe": info.get("reading_probe"),
         "example": {"truth": truths[0], "said": tok.decode(replies[0][0], skip_special_tokens=True)},
@@ -257,6 +273,9 @@ def main():
         for r in runs:
             print(
                 f"{r['task']:10s} well formed {r['well_formed']:.3f}  exact think {r['exact_think']:.3f}  {r['facts']}"
+                + "".join(
+                    f"  {k} {r[k]:.3f}" for k in ("pick_consistent", "answer_copies_pick", "pick_to_or_goal") if k in r
+                )
             )
         out = (
             a.out

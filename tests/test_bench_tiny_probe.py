@@ -112,7 +112,14 @@ def test_world_probe_scores_a_given_model_against_the_outcomes_think():
     path = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(fl.Args()), **fl.TINY_BUILD)  # shipped
     r = tiny_probe.world_probe("frozenlake", 4, 0, outcomes=True, model_dir=str(path))
     assert r["outcomes"] and set(r["facts"]) == set(fl.ACTIONS) and r["test_size"] == 4
+    assert all(0 <= r[k] <= 1 for k in ("pick_consistent", "answer_copies_pick", "pick_to_or_goal"))
+    assert r["pick_to_or_goal"] <= r["pick_consistent"]
     assert all(0 <= v <= 1 for v in r["facts"].values()) and 0 <= r["exact_think"] <= 1
     env = fl.FrozenLakeEnv(outcomes=True)
     env.reset(9 * 10**8)  # the probe's first held-out map
-    assert r["example"]["truth"] == fl.world_model_think(env) == env.observation().split("\nMoves: ")[1][:-1]
+    line = env.observation().split("\nMoves: ")[1][:-1]  # "Left ice, Down to, ..."
+    assert (
+        r["example"]["truth"]
+        == fl.world_model_think(env)
+        == ", ".join(" ".join(p.split()[::-1]) for p in line.split(", "))
+    )

@@ -43,8 +43,10 @@ def test_every_warmup_think_is_the_environments_ground_truth(played):
     assert len(pairs) > 500
     for env, reply in pairs:
         think, answer = m.parse_reply(reply)
-        assert think == m.world_model_think(env) and m.FORMAT_RE.fullmatch(reply)
-        assert not m.parse_actions(answer, 5)[1]
+        actions, invalid = m.parse_actions(answer, 5)
+        pick = "".join(f". {env.outcome(a)} {a}" for a in actions) if getattr(env, "outcomes", False) else ""
+        assert think == m.world_model_think(env) + pick and m.FORMAT_RE.fullmatch(reply)  # --outcomes: then the pick
+        assert not invalid
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:
@@ -82,9 +84,10 @@ def test_the_uniform_test_catches_a_warmup_that_prefers_good_moves(played):
     by_state = defaultdict(Counter)
     for env, _ in pairs:
         think = m.world_model_think(env)
-        safe = [a for a in m.ACTIONS if re.search(rf"{a} (_|G|box|to|ice|goal)", think)] or list(m.ACTIONS)
+        safe = [a for a in m.ACTIONS if re.search(rf"{a} (_|G|box|to|ice|goal)|(to|ice|goal) {a}", think)]
+        safe = safe or list(m.ACTIONS)  # (--outcomes words come before their move: "ice Left, to Down")
         offset = think.split(". ")[0] if ". " in think else ""  # "at 0 1, goal 3 0: 3 Down 1 Left"
-        toward = [a for a in safe if f" {a}" in offset or re.search(rf"{a} (to|goal)", think)] or safe
+        toward = [a for a in safe if f" {a}" in offset or re.search(rf"{a} (to|goal)|(to|goal) {a}", think)] or safe
         by_state[re.sub(r"\d", "#", think)][toward[0]] += 1
     chi2, df = pooled_chi_square(by_state, m.ACTIONS)
     assert chi2 > chi_square_critical(df)
