@@ -1121,8 +1121,9 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
                     first_messages(obs[i], args, feedback), add_generation_prompt=True, tokenize=False
                 )
                 t.prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-            next_len = len(context_ids(t, args.max_context_turns)[0])  # the next turn's prompt
-            next_len += len(obs_ids) if args.max_context_turns != 0 else 0  # (k = 0: that prompt is complete)
+                next_len = len(t.prompts[-1])
+            else:  # the next turn's prompt: the context so far (or its window) and this observation
+                next_len = len(context_ids(t, args.max_context_turns)[0]) + len(obs_ids)
             if next_len + args.max_tokens > args.max_model_len:
                 t.context_overflow = True  # the next turn could not fit: the episode ends here
                 continue
