@@ -962,7 +962,8 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
     """The settings every script resolves alike: a resumed run's saved flags, device, model, backend, presets.
 
     Returns (device, model, backend). A flag you type always wins; a resumed run keeps its saved settings for the
-    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give.
+    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give. Where
+    both name a flag, an --algo you typed wins, else the preset (a tiny model may keep more groups than StarPO-S).
     """
     given = common.given_fields(args)
     if args.resume:
@@ -1000,7 +1001,8 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
         common.fail("--vllm-sleep", "needs --backend vllm on a CUDA device (vLLM's sleep mode frees GPU memory)")
     if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
         args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
-        for k, v in {**PRESETS[args.preset], **ALGOS[args.algo]}.items():
+        preset, algo = PRESETS[args.preset], ALGOS[args.algo]
+        for k, v in ({**preset, **algo} if "algo" in given else {**algo, **preset}).items():
             if k not in given:
                 setattr(args, k, v)
     args.output_dir = (

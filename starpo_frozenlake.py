@@ -29,7 +29,8 @@ kept identical to their source by tools/check_copies.py: edit the source, then r
 Alongside val/success every evaluation logs two reference points for the same maps, by exact dynamic programming
 over (cell, moves left): val/random_success (a uniformly random mover, about 21%) and val/optimal_success (the
 closed-loop optimum, about 46%). The optimum sees the lake after every move; the agent only between turns, up to
-5 moves later, so it is an upper bound (answering two moves a turn loses little: the 10-move budget fits 5 turns).
+5 moves later, so it is an upper bound (answering two moves a turn loses little: the 10-move budget fits 5 turns;
+the tiny preset's ten one-move turns see the lake after every move, as the optimum does).
 
 How it departs from the paper / RAGEN:
   * Maps and slips are pure functions of the reset seed, and a group shares its seed, so its members share the map,
@@ -37,27 +38,29 @@ How it departs from the paper / RAGEN:
     goes where it was meant or slips to the same side. The group compares choices, not luck.
   * The grid is printed with a space between cells ("P _ _ O") so that every cell is one token; symbols are RAGEN's.
   * The lake is followed by a line of coordinates ("Player at row 0, column 1. Goal at row 3, column 0."), as in
-    RAGEN-2's CoordFrozenLake; `--no-positions` shows the grid alone, as RAGEN v1 did. `--outcomes` adds a line
-    of what each move would reach ("Moves: Left ice, Down to, Right hole, Up wall"; to = ice a step nearer the
-    goal): facts of the lake, not advice. With it the world-model think restates that line outcome first and
-    picks one move ("ice Left, to Down, hole Right, wall Up. to Down"), the warm-up's pick uniformly random, one
-    move a turn; RL then only has to prefer a word. Off by default; on a tiny model with the reading stage it is
-    the first multi-turn recipe here that learns (README: "The first multi-turn run that learns").
-  * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built on first use with a
-    world-model warm-up (SPA, arXiv 2510.15047): 300 supervised steps on self-play episodes whose moves are
-    uniformly random (two a turn) and whose think is the environment's own account of the lake: where the player
-    and the goal are, the goal's offset, and what each move would reach ("at 0 1, goal 3 0: 3 Down 1 Left. Left _,
-    Down O, Right _, Up wall"). It learns to read the lake, never which move is good (tests/test_world_model.py
-    checks the moves are uniform whatever the state); RL learns that. `--warmup-steps N` runs the same stage on any
-    model before RL; the world_model rubric component (log only) scores every think against the truth.
-    Its preset trains with GRPO (a tiny critic learns no faster than the policy and doubles the update's cost),
-    seq-mean-token-mean (with token-mean the many tokens of long failed episodes outweigh short successes and push
-    the shared format tokens down) and top_p 0.95 (a rare malformed reply in a lucky episode gets a large update;
-    the nucleus cuts such tails while the four moves stay sampled). bench/frozenlake_cpu.py measures how far it
-    gets; `bench/tiny_probe.py --world` how well it reads.
+    RAGEN-2's CoordFrozenLake; `--no-positions` shows the grid alone, as RAGEN v1 did. `--outcomes` (on with the
+    tiny preset; the paper preset keeps RAGEN's observation) adds a line of what each move would reach ("Moves: Left
+    ice, Down to, Right hole, Up wall"; to = ice a step nearer the goal): facts of the lake, not advice. With it the
+    world-model think restates that line outcome first and picks one move ("ice Left, to Down, hole Right, wall Up.
+    to Down"), one move a turn; RL then only has to prefer a word (README: "The first multi-turn run that learns").
+  * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model that ships in tiny/ (its build,
+    tools/ship_tiny.py, took 50 minutes on two busy cores): first a task-agnostic reading stage (1,500 steps on random
+    token strings that teach in-context copying and lookup, common.reading_stage; nothing of the lake), then a
+    world-model warm-up (SPA, arXiv 2510.15047): 300 supervised steps on self-play episodes whose moves are uniformly
+    random and whose think is the environment's own account of the lake (world_model_think), with --outcomes the
+    restated Moves line and the random move's pick. It learns to read the lake, never which move is good
+    (tests/test_world_model.py checks the moves are uniform whatever the state); RL learns that. `--warmup-steps N`
+    runs the same warm-up on any model before RL; the world_model rubric component (log only) scores every think
+    against the truth. A tiny run with other observation flags (e.g. --no-outcomes) builds its own model first.
+    Its preset (--preset tiny; `--help` lists it): 10 turns (one move a turn, the same 10-move budget), turn-grpo
+    (a turn is credited with what followed it; a tiny critic learns no faster than the policy and doubles the
+    update's cost), progress weighted 0.5 (a step nearer the goal is rewarded at once), half the groups kept,
+    seq-mean-token-mean (with token-mean the many tokens of long failed episodes outweigh short successes), top_p
+    0.95, no entropy bonus (Adam turns even a 0.001 bonus into full-size steps when rewards are flat), lr 1e-4.
+    bench/frozenlake_cpu.py measures how far it gets; `bench/tiny_probe.py --world --outcomes` how well it reads.
   * The rubric (env reward + RAGEN's -0.1 format penalty per bad turn) is explicit and logged per component;
-    `progress` (log only) counts the steps a turn brought the player nearer the goal (-1 for a hole), a dense
-    hint to weight with `--rubric-weights progress=0.2`.
+    `progress` counts the steps a turn brought the player nearer the goal (-1 for a hole), a dense hint: log only
+    with the paper preset, weighted 0.5 with the tiny one (`--rubric-weights progress=0` turns it off).
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
 in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
@@ -136,7 +139,7 @@ class Args:
     positions: bool = True
     """write the player's and the goal's coordinates under the lake (RAGEN-2's CoordFrozenLake; --no-positions: the grid only)"""
     outcomes: bool = False
-    """write what each move would reach under the lake ("Moves: Left ice, Down to, Right hole, Up wall"; to = ice a step nearer the goal)"""
+    """write what each move would reach under the lake ("Moves: Left ice, Down to, Right hole, Up wall"; to = ice a step nearer the goal); the think restates it and picks one move a turn"""
     max_turns: int = 5
     """turns (replies) per episode"""
     max_actions_per_turn: int = 5
@@ -231,21 +234,26 @@ class Args:
     """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
 
 
-# --preset: the defaults of every flag you do not give. The paper's are the field defaults above. The tiny model
-# learns from scratch-sized steps: far larger learning rates, short replies, fewer evaluations; GRPO because a tiny
-# critic learns values no faster than the policy learns moves, and doubles the update's cost.
+# --preset: the defaults of every flag you do not give. The paper's are the field defaults above. The tiny model's
+# (the docstring says why each): the Moves line and one move a turn over 10 turns, short replies, turn-grpo, a dense
+# progress reward, half the groups kept, no entropy bonus, larger steps; measured in bench/results/frozenlake_*.json.
 PRESETS = {
     "paper": {},
     "tiny": dict(
+        outcomes=True,
+        max_turns=10,
         max_tokens=48,
         top_p=0.95,
-        estimator="grpo",
+        estimator="turn-grpo",
+        rubric_weights="progress=0.5",
+        keep_ratio=0.5,
+        entropy_coef=0.0,
         loss_agg="seq-mean-token-mean",
         group_size=8,
         steps=80,
-        lr=2e-4,
+        lr=1e-4,
         critic_lr=1e-3,
-        eval_every=20,
+        eval_every=10,
     ),
 }
 # --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
@@ -265,9 +273,10 @@ import torch.nn as nn  # noqa: E402
 import common  # noqa: E402
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 
-# Tiny-model recipe (keyword arguments of common.build_tiny_model): the world-model warm-up (whole episodes, every
-# reply trained; see tiny_warmup_examples), 300 steps of 8 episodes.
-TINY_BUILD = dict(sft_steps=300, sft_batch_size=8)
+# Tiny-model recipe (keyword arguments of common.build_tiny_model): 1,500 steps of the reading stage (in-context
+# copying on random token strings, common.reading_stage), then the world-model warm-up (whole episodes, every reply
+# trained; see tiny_warmup_examples), 300 steps of 8 episodes.
+TINY_BUILD = dict(sft_steps=300, sft_batch_size=8, reading_steps=1500)
 TINY_WARMUP_MOVES = 2  # moves in every warm-up answer (see tiny_warmup_examples)
 # Flags the tiny model's warm-up always takes at their defaults (see tiny_warmup_examples): one cached model serves
 # slippery and non-slippery ice (its think predicts each move as meant) and every budget.
@@ -1444,7 +1453,8 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
     """The settings every script resolves alike: a resumed run's saved flags, device, model, backend, presets.
 
     Returns (device, model, backend). A flag you type always wins; a resumed run keeps its saved settings for the
-    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give.
+    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give. Where
+    both name a flag, an --algo you typed wins, else the preset (a tiny model may keep more groups than StarPO-S).
     """
     given = common.given_fields(args)
     if args.resume:
@@ -1482,7 +1492,8 @@ def resolve_run(args: Args) -> tuple[str, str, str]:
         common.fail("--vllm-sleep", "needs --backend vllm on a CUDA device (vLLM's sleep mode frees GPU memory)")
     if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
         args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
-        for k, v in {**PRESETS[args.preset], **ALGOS[args.algo]}.items():
+        preset, algo = PRESETS[args.preset], ALGOS[args.algo]
+        for k, v in ({**preset, **algo} if "algo" in given else {**algo, **preset}).items():
             if k not in given:
                 setattr(args, k, v)
     args.output_dir = (
@@ -1550,6 +1561,9 @@ def resolve_args(args: Args):
     for flag, ok, msg in checks:
         if not ok:
             common.fail(flag, msg)
+    if "rubric_weights" not in common.given_fields(args):  # the tiny preset's progress=0.5: only if RUBRIC has it
+        names = {fn.__name__ for fn, _ in RUBRIC}  # (an edited RUBRIC without it runs; a typed weight stays strict)
+        args.rubric_weights = ",".join(w for w in args.rubric_weights.split(",") if w.split("=")[0].strip() in names)
     try:
         weighted_rubric(RUBRIC, args.rubric_weights)
     except ValueError as e:

@@ -110,7 +110,9 @@ def probe(
     script = spec["script"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = common.build_tiny_model(task, script.tiny_warmup_examples(script.Args()), **script.TINY_BUILD)
+    path = common.build_tiny_model(
+        task, script.tiny_warmup_examples(script.Args(**script.PRESETS["tiny"])), **script.TINY_BUILD
+    )
     tok = AutoTokenizer.from_pretrained(path)
     common.seed_everything(seed)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -79,7 +79,9 @@ def test_the_recipe_trains_a_new_environment_for_one_step(tmp_path):
     folder = tmp_path / "fork"
     folder.mkdir()
     make_corridor_script(folder)
-    model = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(fl.Args()), **fl.TINY_BUILD)  # cached
+    model = common.build_tiny_model(
+        "frozenlake", fl.tiny_warmup_examples(fl.Args(**fl.PRESETS["tiny"])), **fl.TINY_BUILD
+    )  # cached
     out = tmp_path / "run"
     r = run_script_file(
         str(folder / "starpo_corridor.py"),

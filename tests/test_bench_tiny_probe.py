@@ -109,7 +109,9 @@ def test_world_probe_scores_a_given_model_against_the_outcomes_think():
     """--world --outcomes --model DIR: the think's facts are the Moves line's four words, one per move."""
     import common
 
-    path = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(fl.Args()), **fl.TINY_BUILD)  # shipped
+    path = common.build_tiny_model(
+        "frozenlake", fl.tiny_warmup_examples(fl.Args(**fl.PRESETS["tiny"])), **fl.TINY_BUILD
+    )  # shipped
     r = tiny_probe.world_probe("frozenlake", 4, 0, outcomes=True, model_dir=str(path))
     assert r["outcomes"] and set(r["facts"]) == set(fl.ACTIONS) and r["test_size"] == 4
     assert all(0 <= r[k] <= 1 for k in ("pick_consistent", "answer_copies_pick", "pick_to_or_goal"))

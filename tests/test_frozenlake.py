@@ -29,6 +29,30 @@ def args_for(*flags) -> fl.Args:
     return fl.resolve_args(common.parse_args(fl.Args, ["--model", "tiny", "--output-dir", UNUSED_DIR, *flags]))[0]
 
 
+def test_the_tiny_preset_beats_the_default_algorithm_and_a_typed_one_beats_the_preset():
+    """keep_ratio is named by both the tiny preset (0.5) and StarPO-S (0.25): the preset wins over the default
+    --algo, an --algo you type wins over the preset, a flag you type wins over both; the paper preset leaves the
+    Moves line off (RAGEN's observation)."""
+    tiny = args_for()
+    assert (tiny.keep_ratio, tiny.algo, tiny.outcomes, tiny.estimator) == (0.5, "starpo-s", True, "turn-grpo")
+    assert tiny.kl_coef == 0.0 and tiny.clip_high == 0.28  # the rest of StarPO-S still applies
+    assert args_for("--algo", "starpo-s").keep_ratio == 0.25
+    assert (args_for("--algo", "starpo").keep_ratio, args_for("--algo", "starpo").kl_coef) == (1.0, 0.001)
+    assert args_for("--algo", "starpo", "--keep-ratio", "0.75").keep_ratio == 0.75
+    paper = args_for("--preset", "paper")
+    assert (paper.keep_ratio, paper.outcomes, paper.max_turns, paper.estimator) == (0.25, False, 5, "gae")
+
+
+def test_the_presets_rubric_weight_skips_a_component_an_edited_rubric_lacks(monkeypatch):
+    """The tiny preset weights `progress`; a fork whose RUBRIC has no `progress` still runs on the preset, while a
+    weight you type for a missing component is still an error."""
+    assert args_for().rubric_weights == "progress=0.5"
+    monkeypatch.setattr(fl, "RUBRIC", [(fl.env_reward, 1.0), (fl.format_penalty, 0.1)])
+    assert args_for().rubric_weights == ""
+    with pytest.raises(SystemExit):
+        args_for("--rubric-weights", "progress=0.5")
+
+
 # ---- environment ------------------------------------------------------------------------------------------------
 
 
@@ -228,8 +252,12 @@ def run_on(desc, generate, tok, args, seeds=(0,), temperature=1.0, slippery=Fals
         return fl.rollout(generate, tok, list(seeds), args, temperature, fl.RUBRIC)
 
 
+# The rollout's mechanics are tested on RAGEN's observation, budget and rubric, whatever the tiny preset turns on.
+MECHANICS = ("--max-turns", "5", "--no-outcomes", "--rubric-weights", "progress=0")
+
+
 def play(answers, desc, *flags, slippery=False):
-    args = args_for(*flags)
+    args = args_for(*MECHANICS, *flags)
     generate, tok, calls = scripted(answers)
     return run_on(desc, generate, tok, args, slippery=slippery)[0], calls
 
@@ -890,7 +918,9 @@ def test_world_model_warmup_runs_before_rl_and_a_resume_reuses_it(tmp_path, caps
     warm = out / "warmup"
     assert "world-model warm-up: 2 steps of 2" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["model_path"] == str(warm)
-    tiny = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(fl.Args()), **fl.TINY_BUILD)
+    tiny = common.build_tiny_model(
+        "frozenlake", fl.tiny_warmup_examples(fl.Args(**fl.PRESETS["tiny"])), **fl.TINY_BUILD
+    )
     before = AutoModelForCausalLM.from_pretrained(tiny, trust_remote_code=False).state_dict()
     after = AutoModelForCausalLM.from_pretrained(warm, trust_remote_code=False).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -33,7 +33,9 @@ def same_torch():
 def test_shipped_model_is_todays_build(task, tmp_path):
     script = SCRIPTS[task]
     examples, recipe = ship_tiny.default_build(task, str(tmp_path / "run"))
-    assert examples == script.tiny_warmup_examples(script.Args())  # what the tests' own fixtures ask for, too
+    assert examples == script.tiny_warmup_examples(
+        script.Args(**script.PRESETS["tiny"])
+    )  # what the tests' own fixtures ask for, too
     name = common.tiny_model_name(task, examples, **recipe)
     shipped = sorted(p.name for p in common.SHIPPED_TINY.glob(f"tiny-{task}-*"))
     assert shipped == [name], f"tiny/ holds {shipped}, today's recipe is {name}: run python tools/ship_tiny.py"
