@@ -1620,6 +1620,8 @@ def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[lis
 
     Two moves a turn (not 1 to 5) keeps replies short, uses the whole 10-move budget in 5 turns, and leaves room
     to react to slips: the best agent that answers two moves a turn scores almost what the closed-loop optimum does.
+    With --outcomes (the tiny preset) one move a turn, drawn the same way, and the think ends with its pick; the
+    warm-up's five turns then play half the budget, while the preset's RL plays ten (README: "The slippery lake").
     """
     n = 1 if env.outcomes else TINY_WARMUP_MOVES  # --outcomes describes the next move only: one a turn
     moves = [rng.choice(ACTIONS) for _ in range(min(n, per_turn, left))]
