@@ -759,6 +759,37 @@ def reading_stage(model, vocab: list[int], sep: int, arrow: int, steps: int, lr:
     return reading_probe(model, vocab, sep, arrow)
 
 
+def cached_reading_stage(model, recipe: dict, vocab: list[int], marks: tuple[int, int], log=print) -> dict:
+    """reading_stage(model, vocab, *marks, ...) with the recipe's steps, rate and seed, run once per cache.
+
+    What it leaves depends only on the model's shape, the seed, the recipe and the token ids it draws (random
+    strings: never what the tokens spell), so every task whose tokenizer has as many ids reuses one run: a task's
+    second build (a new warm-up, another script) costs the warm-up alone. Kept in the cache as
+    reading-<hash>/weights.pt and reading.json (the probe, the seconds the stage took); on reuse the figures say
+    "reused": true. Returns reading_probe's figures and the seconds."""
+    spec = {k: v for k, v in recipe.items() if k not in ("steps", "bs", "lr")}  # not the task warm-up's
+    digest = hashlib.sha256(json.dumps([spec, list(marks), vocab], sort_keys=True).encode()).hexdigest()[:12]
+    folder = tiny_cache_root() / f"reading-{digest}"
+    if (folder / "reading.json").exists():
+        model.load_state_dict(torch.load(folder / "weights.pt", map_location="cpu", weights_only=True))
+        model.eval()
+        log(f"  reading stage reused from {folder}")
+        return dict(json.loads((folder / "reading.json").read_text()), reused=True)
+    r0, reading = time.time(), spec["reading"]
+    result = dict(reading_stage(model, vocab, *marks, reading["steps"], reading["lr"], spec["seed"], log))
+    result["seconds"] = round(time.time() - r0, 1)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(model.state_dict(), tmp / "weights.pt")
+    (tmp / "reading.json").write_text(json.dumps(result, indent=1))  # written last: it marks the folder whole
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
 def _tiny_folder(name: str, recipe: dict, examples: list) -> str:
     return f"tiny-{name}-{hashlib.sha256(json.dumps([recipe, examples], sort_keys=True).encode()).hexdigest()[:12]}"
 
@@ -946,9 +977,7 @@ def build_tiny_model(
     if reading_steps:  # in-context copying first (see reading_stage), on random strings of the ordinary tokens
         vocab = [i for i in range(config.vocab_size) if i not in specials.values()]
         marks = specials["<|endoftext|>"], specials["<|im_start|>"]
-        r0 = time.time()
-        reading = dict(reading_stage(model, vocab, *marks, reading_steps, reading_lr, seed, log))
-        reading["seconds"] = round(time.time() - r0, 1)
+        reading = cached_reading_stage(model, recipe, vocab, marks, log)
         replay_rng = random.Random(seed + 1)  # then replayed during the task warm-up, which would wipe it out
         replay = lambda: [reading_sample(replay_rng, vocab, *marks) for _ in range(READING_REPLAY)]  # noqa: E731
     loss = sft(model, rows, sft_steps, sft_batch_size, sft_lr, tok.pad_token_id, seed, log, replay=replay)

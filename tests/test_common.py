@@ -1163,6 +1163,33 @@ def test_a_build_with_a_reading_stage_records_its_probe_before_and_after_the_tas
     )
 
 
+def test_a_second_build_reuses_the_reading_stage_and_ends_where_a_fresh_one_does(tmp_path, monkeypatch):
+    """The reading stage draws random token ids, never what they spell: a second task's build whose tokenizer has as
+    many ids reuses the first one's run (the log says so, build_info says "reused") and its model is the one a build
+    in an empty cache makes, weight for weight."""
+    monkeypatch.setattr(common, "SHIPPED_TINY", tmp_path / "none")
+    toy = dict(vocab_size=300, hidden_size=32, num_layers=1, sft_steps=3, sft_batch_size=2, reading_steps=10)
+    say = lambda words: [  # noqa: E731
+        ([{"role": "user", "content": f"say {w}"}], f"<think> {w} </think> <answer> {w} </answer>") for w in words
+    ]
+    monkeypatch.setenv("STARPO_CACHE", str(tmp_path / "shared"))
+    first = common.build_tiny_model("t", say("ab"), **toy, log=lambda line: None)
+    lines = []
+    second = common.build_tiny_model("u", say("cd"), **toy, log=lines.append)
+    vocab = lambda path: json.loads((path / "config.json").read_text())["vocab_size"]  # noqa: E731
+    assert vocab(first) == vocab(second)  # same ids to draw from, so the same reading stage
+    assert any("reading stage reused" in line for line in lines)
+    assert not any("reading step" in line for line in lines)
+    assert json.loads((second / "build_info.json").read_text())["reading_probe"]["reused"] is True
+    monkeypatch.setenv("STARPO_CACHE", str(tmp_path / "fresh"))
+    fresh = common.build_tiny_model("u", say("cd"), **toy, log=lambda line: None)
+    from safetensors.torch import load_file
+
+    a, b = load_file(second / "model.safetensors"), load_file(fresh / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "reused" not in json.loads((fresh / "build_info.json").read_text())["reading_probe"]
+
+
 # ---- truncated importance sampling and the trainer / sampler mismatch ----------------------------------------------
 
 
