@@ -45,14 +45,25 @@ How it departs from the paper / RAGEN:
   * The grid is shown with a space between cells ("# _ P _ #"), so every cell is one token (the tiny model's
     tokenizer: "#", " _", " P", ...; a byte-level BPE would otherwise merge runs like "__" into one token).
     By default (--positions) a line under the grid also names the player's, boxes' and targets' row and column.
+    `--outcomes` (on with the tiny preset; the paper preset keeps RAGEN's observation) adds a line of what each move
+    would do ("Moves: Up wall, Down to, Left push, Right floor": to = a step nearer a box, push = a box pushed nearer
+    a target, away = pushed no nearer, target = onto a target): facts of the room, not advice. With it the
+    world-model think restates that line outcome first and picks one move ("wall Up, to Down, push Left, floor
+    Right. push Left"), one move a turn; RL then only has to prefer a word.
   * The format penalty weighs 1.0 (a broken turn costs -1), not RAGEN's 0.1: see format_penalty's docstring.
-  * `--model tiny` (the CPU default) is a 0.9M-parameter Qwen2-architecture model built on first use with a
-    world-model warm-up (SPA, arXiv 2510.15047): supervised steps on self-play episodes whose moves are uniformly
-    random and whose think is the environment's own account of the room, where the player, box and target are and
-    what each move would do ("at 2 4, box 2 3, target 3 1. Up wall, Down wall, Left box 2 2, Right wall"). It
-    learns to read the room and its rules, never which move is good (tests/test_world_model.py checks the moves
-    are uniform whatever the state). `--warmup-steps N` runs the same stage on any model before RL; the
-    world_model rubric component (log only) scores every think against the truth during RL.
+  * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model that ships in tiny/ (built by
+    tools/ship_tiny.py; build_info.json says how long it took): FrozenLake's recipe, a task-agnostic reading stage
+    (1,500 steps on random token strings that teach in-context copying, common.reading_stage; nothing of the room),
+    then a world-model warm-up (SPA, arXiv 2510.15047): 300 supervised steps on self-play episodes whose moves are
+    uniformly random and whose think is the environment's own account of the room (world_model_think), with
+    --outcomes the restated Moves line and the random move's pick. It learns to read the room and its rules, never
+    which move is good (tests/test_world_model.py checks the moves are uniform whatever the state); RL learns that.
+    `--warmup-steps N` runs the same warm-up on any model before RL; the world_model rubric component (log only)
+    scores every think against the truth. A tiny run with other observation flags (e.g. --no-outcomes) builds its
+    own model first (19 minutes on two idle cores). Its preset (--preset tiny; `--help` lists it) is FrozenLake's,
+    whose docstring says why each value (turn-grpo, half the groups kept, seq-mean-token-mean, top_p 0.95, no
+    entropy bonus, lr 1e-4), with five one-move turns, the warm-up's own (see PRESETS). bench/sokoban_cpu.py
+    measures how far it gets.
   * The rubric (env reward + format penalty) is explicit and logged per component; `progress` (log only) counts
     the steps a turn pushed the boxes nearer their targets, a dense hint to weight with `--rubric-weights`.
 
@@ -134,6 +145,8 @@ class Args:
     """depth of the reverse-play search that places the boxes"""
     positions: bool = True
     """write the player's, boxes' and targets' coordinates under the grid (--no-positions: RAGEN's grid only)"""
+    outcomes: bool = False
+    """write what each move would do under the room ("Moves: Up wall, Down to, Left push, Right floor"; to = a step nearer a box, push = a box pushed nearer a target, away = pushed no nearer, target = onto a target); the think restates it and picks one move a turn"""
     max_turns: int = 5
     """turns (replies) per episode"""
     max_actions_per_turn: int = 5
@@ -228,9 +241,28 @@ class Args:
     """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
 
 
-# --preset: the defaults of every flag you do not give. The paper's are the field defaults above; the tiny model
-# learns from scratch-sized steps: far larger learning rates, short replies.
-PRESETS = {"paper": {}, "tiny": dict(max_tokens=64, group_size=8, lr=1e-4, critic_lr=1e-3)}
+# --preset: the defaults of every flag you do not give. The paper's are the field defaults above. The tiny model's:
+# FrozenLake's recipe (bench/results/frozenlake_*.json): the Moves line and one move a turn, short replies,
+# turn-grpo, half the groups kept, no entropy bonus, larger steps. Five turns (the default), not FrozenLake's ten:
+# the warm-up plays five, and past them every reply broke (turns 6-10: 56 of 56 at a ten-turn run's first
+# evaluation, turns 1-5: 0 of 299), at 31 s a step for the longer episodes.
+PRESETS = {
+    "paper": {},
+    "tiny": dict(
+        outcomes=True,
+        max_tokens=48,
+        top_p=0.95,
+        estimator="turn-grpo",
+        keep_ratio=0.5,
+        entropy_coef=0.0,
+        loss_agg="seq-mean-token-mean",
+        group_size=8,
+        steps=100,
+        lr=1e-4,
+        critic_lr=1e-3,
+        eval_every=10,
+    ),
+}
 # --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
 # Copied from starpo_bandit.ALGOS
 ALGOS = {
@@ -247,10 +279,10 @@ import torch.nn as nn  # noqa: E402
 import common  # noqa: E402
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 
-# The world-model warm-up trains whole episodes (up to ~1,000 tokens, every reply in them), so it uses a small batch
-# and a narrow model: 380 s on an idle 2-core CPU (once; then it is cached). At this size it does not yet learn to
-# copy coordinates (bench/tiny_probe.py --world): the README's probe ladder.
-TINY_BUILD = dict(sft_steps=300, sft_batch_size=8, hidden_size=128)
+# Tiny-model recipe (keyword arguments of common.build_tiny_model), FrozenLake's: 1,500 steps of the reading stage
+# (in-context copying on random token strings, common.reading_stage), then the world-model warm-up (whole episodes,
+# every reply trained; see tiny_warmup_examples), 300 steps of 8 episodes.
+TINY_BUILD = dict(sft_steps=300, sft_batch_size=8, reading_steps=1500)
 TINY_WARMUP_FIXED = ("max_turns", "max_actions_per_turn", "max_actions_per_traj")  # see tiny_warmup_examples
 TINY_WARMUP_SEEDS = (5 * 10**8, 400)  # warm-up episodes: first seed, how many (never trained or evaluated on)
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -327,10 +359,17 @@ class SokobanEnv:
     """RAGEN's Sokoban: a room is a pure function of the reset seed; one step = one move word."""
 
     def __init__(
-        self, size: int = 6, num_boxes: int = 1, search_depth: int = 300, positions: bool = True, max_tries: int = 1000
+        self,
+        size: int = 6,
+        num_boxes: int = 1,
+        search_depth: int = 300,
+        positions: bool = True,
+        max_tries: int = 1000,
+        outcomes: bool = False,
     ):
         self.size, self.num_boxes, self.search_depth, self.max_tries = size, num_boxes, search_depth, max_tries
         self.positions = positions  # add a line of coordinates under the grid
+        self.outcomes = outcomes  # add a line naming what each move does
         self.shape = (size, size)  # rows, columns (walls included)
         self.floor: set = set()  # every non-wall cell (row, col)
         self.targets: frozenset = frozenset()
@@ -409,14 +448,29 @@ class SokobanEnv:
         fine-tunes it on solver moves with these very prompts and its first move stays at chance after 300
         supervised steps (bench/results/tiny_probe.json).
         """
-        if not self.positions:
-            return self.render()
-        where = lambda cells: " and ".join(f"row {r}, column {c}" for r, c in sorted(cells))  # noqa: E731
-        boxes, targets = ("Boxes", "Targets") if len(self.boxes) > 1 else ("Box", "Target")
-        return (
-            self.render() + f"\nPlayer at {where([self.player])}. {boxes} at {where(self.boxes)}. "
-            f"{targets} at {where(self.targets)}."
-        )
+        text = self.render()
+        if self.positions:
+            where = lambda cells: " and ".join(f"row {r}, column {c}" for r, c in sorted(cells))  # noqa: E731
+            boxes, targets = ("Boxes", "Targets") if len(self.boxes) > 1 else ("Box", "Target")
+            text += f"\nPlayer at {where([self.player])}. {boxes} at {where(self.boxes)}. {targets} at {where(self.targets)}."
+        if self.outcomes:
+            text += "\nMoves: " + ", ".join(f"{a} {self.outcome(a)}" for a in ACTIONS) + "."
+        return text
+
+    def outcome(self, action: str) -> str:
+        """What one move does, in one word: "wall" (nothing moves), "target" (a box onto a target), "push" (a box
+        a step nearer its nearest target, in rows plus columns), "away" (a box pushed no nearer), "to" (a step
+        nearer a box) or "floor". Facts of the room, like the coordinates: they say nothing of which move to take."""
+        player, boxes, _ = push(self.floor, self.player, self.boxes, ACTIONS[action])
+        if player == self.player:
+            return "wall"
+        if boxes != self.boxes:
+            if len(boxes & self.targets) > len(self.boxes & self.targets):
+                return "target"
+            far = lambda bs: sum(min(abs(r - tr) + abs(c - tc) for tr, tc in self.targets) for r, c in bs)  # noqa: E731
+            return "push" if far(boxes) < far(self.boxes) else "away"
+        near = lambda p: min(abs(p[0] - r) + abs(p[1] - c) for r, c in self.boxes)  # noqa: E731
+        return "to" if near(player) < near(self.player) else "floor"
 
     def describe(self) -> dict:
         """The room as data, for the report's viewer and for rubrics: grid cells, legend, (row, column) positions."""
@@ -430,13 +484,20 @@ class SokobanEnv:
 
     def perceive(self) -> str:
         """The state in a few tokens, for the world-model warm-up's think: the player's, boxes' and targets' row and
-        column ("at 2 3, box 3 3, target 4 1")."""
+        column ("at 2 3, box 3 3, target 4 1"). With --outcomes, the observation's Moves line restated outcome first
+        ("wall Up, to Down, push Left, floor Right"), so that a word written again later is followed by its move (an
+        induction: see warmup_reply)."""
+        if self.outcomes:
+            return ", ".join(f"{self.outcome(a)} {a}" for a in ACTIONS)
         where = lambda name, cells: ", ".join(f"{name} {r} {c}" for r, c in sorted(cells))  # noqa: E731
         return f"at {self.player[0]} {self.player[1]}, {where('box', self.boxes)}, {where('target', self.targets)}"
 
     def predict(self, action: str) -> str:
         """What one move would do, played on a copy of the room: "wall" when nothing moves, "box 1 3" when it
-        pushes a box (to row 1, column 3), else what the cell it reaches holds ("_" floor, "O" a target)."""
+        pushes a box (to row 1, column 3), else what the cell it reaches holds ("_" floor, "O" a target). With
+        --outcomes, nothing (perceive has said it all; outcome gives the word)."""
+        if self.outcomes:
+            return ""
         sim = copy.deepcopy(self)
         sim.step(action)
         if sim.player == self.player:
@@ -518,7 +579,11 @@ def random_success(env: SokobanEnv, seed: int, budget: int, rollouts: int, rng: 
 
 def make_env(args: Args) -> SokobanEnv:
     return SokobanEnv(
-        size=args.size, num_boxes=args.num_boxes, search_depth=args.search_depth, positions=args.positions
+        size=args.size,
+        num_boxes=args.num_boxes,
+        search_depth=args.search_depth,
+        positions=args.positions,
+        outcomes=args.outcomes,
     )
 
 
@@ -1626,7 +1691,14 @@ def world_model_warmup(args: Args, model_path: str, device: str) -> str:
 
 def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[list[str], str]:
     """One warm-up turn: 1 to per_turn uniformly random moves (no more than are left), whatever the room, and the
-    world model's thought about the room (world_model_think: where things are, what each move would do)."""
+    world model's thought about the room (world_model_think: where things are, what each move would do).
+
+    With --outcomes (the tiny preset) one move a turn, drawn the same way, and the think ends with its pick: the
+    chosen move's word, then the move, as the restated line pairs them ("... to Down. to Down"); which word to pick
+    is left to RL."""
+    if env.outcomes:  # --outcomes describes the next move only: one a turn
+        move = rng.choice(list(ACTIONS))
+        return [move], world_model_think(env) + f". {env.outcome(move)} {move}"
     moves = [rng.choice(list(ACTIONS)) for _ in range(min(rng.randint(1, per_turn), left))]
     return moves, world_model_think(env)
 

@@ -58,7 +58,7 @@ def qwen_sized_model(out: Path, quick: bool) -> str:
     """Qwen2.5-0.5B-Instruct's architecture, randomly initialised, with the tiny Sokoban model's tokenizer."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    tiny = common.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args()), **ss.TINY_BUILD)
+    tiny = common.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD)
     tok = AutoTokenizer.from_pretrained(tiny)
     layers, hidden, inter, heads = (2, 128, 256, 2) if quick else (24, 896, 4864, 14)
     config = Qwen2Config(

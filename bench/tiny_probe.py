@@ -182,7 +182,7 @@ def world_probe(
     box's and target's, the offset, and what each move would do; and how often the whole think is right.
     reading_steps > 0: the script's tiny model built with a reading stage first (common.reading_stage; built into
     $STARPO_CACHE on first use), its copy probe after the reading stage and after the warm-up reported too.
-    outcomes: FrozenLake's --outcomes observation (the think restates its Moves line, then picks: the whole think
+    outcomes: the --outcomes observation (the think restates its Moves line, then picks: the whole think
     counts as right when the restated line is, whatever it picks). model_dir: probe that model
     (e.g. a run's warmup/ folder) instead of building one."""
     script = TASKS[task]["script"]
@@ -212,7 +212,8 @@ def world_probe(
         if outcomes:  # the pick ("... wall Up. to Down"): its word is what its move reaches; the answer is its move
             word, _, move = (think or "").rsplit(". ", 1)[-1].partition(" ")
             consistent = move in script.ACTIONS and env.outcome(move) == word
-            picks.append((consistent, (answer or "").strip() == move, consistent and word in ("to", "goal")))
+            good = ("to", "goal", "push", "target")  # the words of a move toward the goal (FrozenLake) or box/target
+            picks.append((consistent, (answer or "").strip() == move, consistent and word in good))
         formatted += think is not None and answer is not None
         exact += think == truth or bool(outcomes and think and think.startswith(truth + ". "))  # (then its pick)
         said = re.split(r"[.,:]\s+", think) if think else []
@@ -250,7 +251,7 @@ def main():
     ap.add_argument(
         "--reading", type=int, default=0, metavar="STEPS", help="--world: on a build with a reading stage of STEPS"
     )
-    ap.add_argument("--outcomes", action="store_true", help="--world: FrozenLake's --outcomes observation and think")
+    ap.add_argument("--outcomes", action="store_true", help="--world: the --outcomes observation and think")
     ap.add_argument("--model", default="", help="--world: probe this model folder instead of building the recipe's")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--prompts", nargs="+", default=["grid", "copy"], choices=["grid", "copy"])
@@ -267,8 +268,6 @@ def main():
     a = ap.parse_args()
     load_start, t0 = harness.os.getloadavg(), time.time()
     if a.world:
-        if a.outcomes and a.tasks != ["frozenlake"]:
-            ap.error("--outcomes is FrozenLake's: add --tasks frozenlake")
         if a.model and len(a.tasks) != 1:
             ap.error("--model probes one task's model: name it with --tasks")
         runs = [world_probe(task, a.test_size, a.seed, a.reading, a.outcomes, a.model) for task in a.tasks]

@@ -251,6 +251,27 @@ def test_parse_reply(text, think, answer):
     assert ss.parse_reply(text) == (think, answer)
 
 
+def test_outcome_words_name_what_each_move_does():
+    """--outcomes: one word a move (wall, to, floor, push, away, target), the Moves line under the room, and the
+    think's restated line outcome first; the room itself is left as it was."""
+    env = ss.SokobanEnv(outcomes=True)
+    room = "# # # # # # #\n# P _ X _ O #\n# _ _ _ _ _ #\n# # # # # # #"
+    obs = env.load(room)
+    assert {a: env.outcome(a) for a in ss.ACTIONS} == dict(Up="wall", Down="floor", Left="wall", Right="to")
+    assert obs.endswith("\nMoves: Up wall, Down floor, Left wall, Right to.")
+    assert env.perceive() == "wall Up, floor Down, wall Left, to Right" and env.predict("Right") == ""
+    assert ss.world_model_think(env) == env.perceive()
+    env.load(room.replace("P _ X", "_ P X"))
+    assert env.outcome("Right") == "push" and env.render() == room.replace("P _ X", "_ P X")
+    env.load(room.replace("P _ X _", "_ _ X P"))
+    assert env.outcome("Left") == "away" and env.outcome("Right") == "floor"  # onto the target cell, off the box
+    env.load(room.replace("P _ X _ O", "_ _ _ P X").replace("# _ _ _ _ _ #\n#", "# _ _ _ _ O #\n#"))
+    assert env.outcome("Right") == "wall"  # a box against a wall does not move
+    env.load("# # # # #\n# P X O #\n# # # # #")
+    assert env.outcome("Right") == "target"
+    assert ss.SokobanEnv().load(room).count("Moves:") == 0  # off by default (RAGEN's observation)
+
+
 # ---- rollout with a scripted model: budget, penalties, token accounting ------------------------------------------
 
 
@@ -258,7 +279,7 @@ def test_parse_reply(text, think, answer):
 def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = common.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args()), **ss.TINY_BUILD)
+    path = common.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD)
     attn = common.attention_implementation("cpu")  # what the script loads on a CPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     return model.eval(), AutoTokenizer.from_pretrained(path)

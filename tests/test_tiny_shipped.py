@@ -49,7 +49,7 @@ def test_shipped_files_match_their_checksums():
 
 def test_an_empty_cache_gets_the_shipped_model_and_an_edited_prompt_does_not(tmp_path, monkeypatch):
     monkeypatch.setenv("STARPO_CACHE", str(tmp_path / "cache"))
-    examples = ss.tiny_warmup_examples(ss.Args())
+    examples = ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"]))
     assert common.build_tiny_model("sokoban", examples, **ss.TINY_BUILD).parent == common.SHIPPED_TINY
     edited = [(messages, reply + " ") for messages, reply in examples]
     assert common.tiny_model_name("sokoban", edited, **ss.TINY_BUILD) != common.tiny_model_name(

@@ -13,7 +13,7 @@ import starpo_sokoban as sk
 BUILDS = {
     "bandit": lambda: ({}, sb.tiny_warmup_examples([("Phoenix", "Dragon")])),
     "frozenlake": lambda: (fl.TINY_BUILD, fl.tiny_warmup_examples(fl.Args(**fl.PRESETS["tiny"]))),
-    "sokoban": lambda: (sk.TINY_BUILD, sk.tiny_warmup_examples(sk.Args())),
+    "sokoban": lambda: (sk.TINY_BUILD, sk.tiny_warmup_examples(sk.Args(**sk.PRESETS["tiny"]))),
 }
 DIGIT_TEXTS = ["Turn 2:", "Moves left: 10", "reward 0.50, total 12", "(3, 0) -> (3, 1)", "Turn 10 of 5", " 22 23 01"]
 

@@ -12,7 +12,12 @@ import starpo_frozenlake as fl
 import starpo_sokoban as sk
 
 TASKS = [fl, sk]
-WARMUPS = [(fl, fl.Args()), (fl, fl.Args(outcomes=True)), (sk, sk.Args())]  # FrozenLake with --outcomes too
+WARMUPS = [
+    (fl, fl.Args()),
+    (fl, fl.Args(outcomes=True)),
+    (sk, sk.Args()),
+    (sk, sk.Args(outcomes=True)),
+]  # --outcomes too
 
 
 def replay(m, args=None):
@@ -84,10 +89,11 @@ def test_the_uniform_test_catches_a_warmup_that_prefers_good_moves(played):
     by_state = defaultdict(Counter)
     for env, _ in pairs:
         think = m.world_model_think(env)
-        safe = [a for a in m.ACTIONS if re.search(rf"{a} (_|G|box|to|ice|goal)|(to|ice|goal) {a}", think)]
-        safe = safe or list(m.ACTIONS)  # (--outcomes words come before their move: "ice Left, to Down")
+        good = "to|goal|push|target"  # --outcomes words come before their move: "ice Left, to Down", "push Up"
+        safe = [a for a in m.ACTIONS if re.search(rf"{a} (_|G|box|to|ice|goal)|({good}|ice|floor) {a}", think)]
+        safe = safe or list(m.ACTIONS)
         offset = think.split(". ")[0] if ". " in think else ""  # "at 0 1, goal 3 0: 3 Down 1 Left"
-        toward = [a for a in safe if f" {a}" in offset or re.search(rf"{a} (to|goal)|(to|goal) {a}", think)] or safe
+        toward = [a for a in safe if f" {a}" in offset or re.search(rf"{a} (to|goal)|({good}) {a}", think)] or safe
         by_state[re.sub(r"\d", "#", think)][toward[0]] += 1
     chi2, df = pooled_chi_square(by_state, m.ACTIONS)
     assert chi2 > chi_square_critical(df)
@@ -128,35 +134,36 @@ def test_world_model_rubric_scores_the_think_against_the_truth(m):
     assert m.world_model(turn(truth + ", Up wall, Up wall")) == 1.0  # extra claims earn nothing more
 
 
-def test_the_warmed_up_tiny_model_reads_the_lake_on_held_out_maps():
-    """The shipped FrozenLake model (the tiny preset's build, which every FrozenLake test uses): asked greedily about
-    lakes it was never warmed up on, its think restates what each move reaches, picks a move with that move's own
+@pytest.mark.parametrize("m", TASKS, ids=lambda m: m.TASK)
+def test_the_warmed_up_tiny_model_reads_the_state_on_held_out_maps(m):
+    """The shipped model (the tiny preset's build, which every test of the script uses): asked greedily about lakes
+    or rooms it was never warmed up on, its think restates what each move does, picks a move with that move's own
     word, and its answer is the move it picked. (bench/tiny_probe.py --world --outcomes measures the same on 200.)"""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import common
 
-    args = fl.Args(**fl.PRESETS["tiny"])
-    path = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(args), **fl.TINY_BUILD)
+    args = m.Args(**m.PRESETS["tiny"])
+    path = common.build_tiny_model(m.TASK, m.tiny_warmup_examples(args), **m.TINY_BUILD)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts, envs = [], []
     for i in range(12):
-        env = fl.make_env(args)
+        env = m.make_env(args)
         obs = env.reset(9 * 10**8 + i)  # no script trains, warms up or evaluates on these seeds
-        text = tok.apply_chat_template(fl.first_messages(obs, args), add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(m.first_messages(obs, args), add_generation_prompt=True, tokenize=False)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
         envs.append(env)
     torch.manual_seed(0)
-    replies = fl.hf_generate(model, tok, prompts, 1e-4, 1.0, 48, 16)
+    replies = m.hf_generate(model, tok, prompts, 1e-4, 1.0, 48, 16)
     words = consistent = copied = 0
     for (ids, _), env in zip(replies, envs):
-        think, answer = fl.parse_reply(tok.decode(ids, skip_special_tokens=True))
+        think, answer = m.parse_reply(tok.decode(ids, skip_special_tokens=True))
         line, _, pick = (think or "").rpartition(". ")
-        said, truth = line.split(", "), fl.world_model_think(env).split(", ")  # "hole Left", "to Down", ...
+        said, truth = line.split(", "), m.world_model_think(env).split(", ")  # "hole Left", "to Down", ...
         words += sum(a == b for a, b in zip(said, truth))
         word, _, move = pick.partition(" ")
-        consistent += move in fl.ACTIONS and env.outcome(move) == word
+        consistent += move in m.ACTIONS and env.outcome(move) == word
         copied += (answer or "").strip() == move
     assert words >= 40 and consistent >= 10 and copied == 12, (words, consistent, copied)
