@@ -524,8 +524,8 @@ def test_hidden_states_runs_each_first_prompt_once_and_equals_a_full_pass(tiny):
     (h_shared, g_shared), (h_full, g_full) = results
     torch.testing.assert_close(h_shared, h_full, atol=1e-5, rtol=1e-4)
     assert len(g_shared) == len(g_full) > 10
-    for x, y in zip(g_shared, g_full):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-3)
+    for x, y in zip(g_shared, g_full):  # float32 sums in another order: equal to a few millionths of the largest entry
+        torch.testing.assert_close(x, y, atol=5e-5 * max(1.0, y.abs().max().item()), rtol=1e-3)
 
 
 @pytest.mark.parametrize("k", [None, 1, 0])
@@ -733,14 +733,16 @@ def check_run(run_dir, out: str, gae: bool, kl: bool | None = None):
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """The default (StarPO-S, GAE) for 2 steps with a checkpoint after each: shared by the smoke and resume tests."""
+    """StarPO-S with GAE (the paper preset's estimator; the tiny preset's is turn-grpo) for 2 steps with a checkpoint
+    after each: shared by the smoke and resume tests."""
     out = tmp_path_factory.mktemp("smoke")
-    r = run_script("--steps", "2", "--save-every", "1", "--keep-checkpoints", "3", *SMOKE, "--output-dir", str(out))
+    flags = ("--steps", "2", "--save-every", "1", "--keep-checkpoints", "3", "--estimator", "gae")
+    r = run_script(*flags, *SMOKE, "--output-dir", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r.stdout + r.stderr
 
 
-def test_smoke_two_steps_default(smoke_run):
+def test_smoke_two_steps_gae(smoke_run):
     run_dir, out = smoke_run
     check_run(run_dir, out, gae=True)
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step-000001", "step-000002"]
@@ -758,8 +760,7 @@ def test_smoke_two_steps_default(smoke_run):
 def test_smoke_two_steps(flags, tmp_path):
     r = run_script("--steps", "2", *SMOKE, "--output-dir", str(tmp_path), *flags)
     assert r.returncode == 0, r.stderr[-3000:]
-    grpo = "grpo" in flags or "turn-grpo" in flags
-    rows_ = check_run(tmp_path, r.stdout + r.stderr, gae=not grpo, kl="starpo" in flags)
+    rows_ = check_run(tmp_path, r.stdout + r.stderr, gae=False, kl="starpo" in flags)  # the tiny preset: turn-grpo
     if "--max-context-turns" in flags:  # one training row per turn
         assert rows_[1]["rollout/trained_rows"] >= 2
 

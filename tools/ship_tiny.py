@@ -1,7 +1,8 @@
 """Build the multi-turn tiny models and ship them in tiny/, where common.build_tiny_model finds them when your own
 cache ($STARPO_CACHE) has no build for today's recipe: a first FrozenLake or Sokoban run then starts at once
-instead of after a build: FrozenLake's, with its 1,500-step reading stage, took 50 minutes on two busy cores
-(build_info.json's build_seconds: 3,002), Sokoban's about 6. The bandit's model (1.5 minutes) is built on first use.
+instead of after a build. Both have a 1,500-step reading stage: FrozenLake's took 50 minutes on two busy cores
+(build_info.json's build_seconds: 3,002), Sokoban's 19 on two idle ones (1,137). The bandit's model (1.5 minutes)
+is built on first use.
 
     python tools/ship_tiny.py                # fresh builds in a temporary cache (about an hour on two cores)
     python tools/ship_tiny.py --from-cache   # copy the builds $STARPO_CACHE already holds for today's keys
