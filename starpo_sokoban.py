@@ -244,8 +244,8 @@ class Args:
 # --preset: the defaults of every flag you do not give. The paper's are the field defaults above. The tiny model's:
 # FrozenLake's recipe (bench/results/frozenlake_*.json): the Moves line and one move a turn, short replies,
 # turn-grpo, half the groups kept, no entropy bonus, larger steps. Five turns (the default), not FrozenLake's ten:
-# the warm-up plays five, and past them every reply broke (turns 6-10: 56 of 56 at a ten-turn run's first
-# evaluation, turns 1-5: 0 of 299), at 31 s a step for the longer episodes.
+# the warm-up plays five, and past them the replies broke (no valid move in 53-56 of 56 at each of turns 6-10 of
+# a ten-turn run's first evaluation, 0 of 299 at turns 1-5), at 14-35 s a step for the longer episodes.
 PRESETS = {
     "paper": {},
     "tiny": dict(
