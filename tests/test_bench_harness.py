@@ -92,3 +92,19 @@ def test_a_short_bandit_benchmark_writes_the_schema(tmp_path):
     assert result["steps"] == 2 and [c["step"] for c in result["eval_curve"]] == [0, 1, 2]
     assert not result["target_met"] and result["cold_cache"] is False and result["config"]["preset"] == "tiny"
     assert result["machine"]["cpus"] >= 1 and len(result["machine"]["load_avg_at_start"]) == 3
+
+
+def test_sokoban_budget_bounds_the_word_policy_by_the_optimum(tmp_path):
+    """bench/sokoban_budget.py: within one move only a `target` move solves a one-box room, so ranking the Moves
+    line's words solves exactly the rooms the solver solves in one move; at every budget the optimum bounds both
+    random policies, and more moves never solve fewer rooms for the solver."""
+    import sokoban_budget
+
+    out = tmp_path / "budget.json"
+    assert sokoban_budget.main(["--val-size", "24", "--budgets", "1", "3", "--rollouts", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["budget"] for r in rows] == [1, 3]
+    assert rows[0]["word_policy"] == rows[0]["optimal"] > 0
+    for r in rows:
+        assert 0 <= r["random"] <= r["optimal"] and r["word_policy"] <= r["optimal"] <= 1
+    assert rows[0]["optimal"] <= rows[1]["optimal"]
