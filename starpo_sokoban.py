@@ -665,6 +665,15 @@ def world_model(t: Turn) -> float:
     return sum(a == b for a, b in zip(truth, said)) / len(truth) if truth else 0.0
 
 
+def pick(t: Turn) -> float:
+    """1 when the think's pick is honest: its word is what its move does by the Moves line (--outcomes: the world's
+    "wall Up, push Down, ...") and the answer plays that move alone; else 0 (no pick, no Moves line). It rewards
+    saying what you do, never which move: every word, `wall` included, scores 1 when its move matches it."""
+    said = t.think.strip().rsplit(". ", 1)[-1].split() if t.think else []
+    facts = {tuple(fact.split()) for fact in re.split(r"[.,:]\s+", t.world)} if t.world else set()
+    return 1.0 if len(said) == 2 and tuple(said) in facts and t.actions == [said[1]] else 0.0
+
+
 def progress(t: Turn) -> float:
     """Steps this turn's pushes brought the boxes nearer the targets (each box's rows plus columns to its nearest
     target, summed; a step away counts -1). A dense hint on top of the sparse payout (log only by default)."""
@@ -678,7 +687,14 @@ def progress(t: Turn) -> float:
 
 
 # (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
-RUBRIC = [(env_reward, 1.0), (format_penalty, 1.0), (format_reward, 0.0), (world_model, 0.0), (progress, 0.0)]
+RUBRIC = [
+    (env_reward, 1.0),
+    (format_penalty, 1.0),
+    (format_reward, 0.0),
+    (world_model, 0.0),
+    (pick, 0.0),
+    (progress, 0.0),
+]
 
 
 # Copied from starpo_bandit.weighted_rubric

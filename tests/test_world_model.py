@@ -135,6 +135,34 @@ def test_world_model_rubric_scores_the_think_against_the_truth(m):
 
 
 @pytest.mark.parametrize("m", TASKS, ids=lambda m: m.TASK)
+def test_pick_rubric_scores_an_honest_pick_whatever_the_move(m):
+    """The `pick` component: 1 when the pick's word is its move's outcome and the answer plays that move. Every
+    warm-up turn is honest by construction; another move played, another word or no pick scores 0; and every
+    word can score, so it rewards honesty, not good moves."""
+    import random
+
+    rng, env, words = random.Random(0), m.make_env(m.Args(outcomes=True)), set()
+    for seed in range(40):
+        env.reset(10**6 + seed)
+        world = m.world_model_think(env)
+        moves, thought = m.warmup_reply(rng, env, 1, 10)
+        turn = lambda think, played: m.Turn("", "", think, None, played, False, 0.0, [], world=world)  # noqa: E731
+        assert m.pick(turn(thought, moves)) == 1.0, (world, thought, moves)
+        word, move = thought.rsplit(". ", 1)[1].split()
+        words.add(word)
+        other = next(a for a in m.ACTIONS if a != move)
+        assert m.pick(turn(thought, [other])) == 0.0  # says one move, plays another
+        assert m.pick(turn(thought, [move, move])) == 0.0  # plays more than it picked
+        liar = next(w for w in ("wall", "floor", "ice", "to") if w != word)
+        assert m.pick(turn(thought.rsplit(". ", 1)[0] + f". {liar} {move}", moves)) == 0.0  # the wrong word
+        assert m.pick(turn(world, moves)) == 0.0 and m.pick(turn(None, moves)) == 0.0  # no pick
+    assert len(words) >= 3  # walls, floor or ice, nearer: honest picks of every kind score
+    env = m.make_env(m.Args())  # no Moves line: no pick to check
+    env.reset(3)
+    assert m.pick(m.Turn("", "", "Up", None, ["Up"], False, 0.0, [], world=m.world_model_think(env))) == 0.0
+
+
+@pytest.mark.parametrize("m", TASKS, ids=lambda m: m.TASK)
 def test_the_warmed_up_tiny_model_reads_the_state_on_held_out_maps(m):
     """The shipped model (the tiny preset's build, which every test of the script uses): asked greedily about lakes
     or rooms it was never warmed up on, its think restates what each move does, picks a move with that move's own
