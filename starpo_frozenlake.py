@@ -60,7 +60,8 @@ How it departs from the paper / RAGEN:
     bench/frozenlake_cpu.py measures how far it gets; `bench/tiny_probe.py --world --outcomes` how well it reads.
   * The rubric (env reward + RAGEN's -0.1 format penalty per bad turn) is explicit and logged per component;
     `progress` counts the steps a turn brought the player nearer the goal (-1 for a hole), a dense hint: log only
-    with the paper preset, weighted 0.5 with the tiny one (`--rubric-weights progress=0` turns it off).
+    with the paper preset, weighted 0.5 with the tiny one (`--rubric-weights progress=0` turns it off). `pick`
+    (log only) says whether the think's pick was honest (its word is its move's outcome, and the answer plays it).
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
 in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn

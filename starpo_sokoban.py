@@ -65,7 +65,8 @@ How it departs from the paper / RAGEN:
     entropy bonus, lr 1e-4), with five one-move turns, the warm-up's own (see PRESETS). bench/sokoban_cpu.py
     measures how far it gets.
   * The rubric (env reward + format penalty) is explicit and logged per component; `progress` (log only) counts
-    the steps a turn pushed the boxes nearer their targets, a dense hint to weight with `--rubric-weights`.
+    the steps a turn pushed the boxes nearer their targets, a dense hint to weight with `--rubric-weights`; `pick`
+    (log only) whether the think's pick was honest (its word is its move's outcome, and the answer plays it).
 
 Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
 in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn

@@ -38,6 +38,24 @@ def test_honest_and_word_shares_by_hand(m, tmp_path):
     assert got[0]["turns"] == 4 and got[0]["honest"] == 0.75 and got[0]["honest_by_turn"] == [1.0, 0.5]
     words = [t["think"].rsplit(". ", 1)[1].split()[0] for e in episodes[:2] for t in e["turns"]]
     assert got[0]["words"] == {w: words.count(w) / 4 for w in set(words)}
-    assert got[10] == {"turns": 1, "honest": 0.0, "honest_by_turn": [0.0], "words": {"BAD": 1.0}}
+    assert got[0]["word_not_on_line"] == 0.0 and got[0]["dishonest_later_picks_repeating_the_last"] in (0.0, 1.0)
+    assert got[10]["turns"] == 1 and got[10]["honest"] == 0.0 and got[10]["words"] == {"BAD": 1.0}
+    assert got[10]["word_not_on_line"] == 0.0 and got[10]["dishonest_later_picks_repeating_the_last"] is None
     assert pick_shares.main([str(tmp_path), "--out", str(tmp_path / "out.json")]) == 0
     assert json.loads((tmp_path / "out.json").read_text())["runs"][str(tmp_path)]["0"]["honest"] == 0.75
+
+
+def test_a_word_off_the_line_and_a_repeated_pick_are_counted(tmp_path):
+    """Turn 2 repeats turn 1's pick word for word although the line has changed: dishonest, a repeat; turn 3 picks
+    a word the line does not have."""
+    world1, world2 = "wall Up, push Down, floor Left, to Right", "wall Up, floor Down, target Left, wall Right"
+    turns = [
+        dict(think=f"{world1}. push Down", world=world1, actions=["Down"]),
+        dict(think=f"{world2}. push Down", world=world2, actions=["Down"]),
+        dict(think=f"{world2}. away Left", world=world2, actions=["Left"]),
+    ]
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text(json.dumps(dict(step=0, split="val", task="sokoban", turns=turns)) + "\n")
+    got = pick_shares.shares(path)[0]
+    assert got["honest_by_turn"] == [1.0, 0.0, 0.0] and got["word_not_on_line"] == pytest.approx(2 / 3, abs=1e-3)
+    assert got["dishonest_later_picks_repeating_the_last"] == 0.5
