@@ -718,7 +718,14 @@ def check_run(run_dir, out: str, gae: bool, kl: bool | None = None):
         assert r["task"] == "sokoban" and isinstance(r["success"], bool) and 1 <= len(r["turns"]) <= 5
         for t in r["turns"]:
             assert set(t) == TURN_RECORD_KEYS
-            assert set(t["rubric"]) == {"env_reward", "format_penalty", "format_reward", "world_model", "pick", "progress"}
+            assert set(t["rubric"]) == {
+                "env_reward",
+                "format_penalty",
+                "format_reward",
+                "world_model",
+                "pick",
+                "progress",
+            }
             assert set(t["view"]) == {"grid", "legend", "player", "boxes", "targets"}
     # the report draws the room from the environment's own view of it, and the room after the last move
     from report import grid_of
