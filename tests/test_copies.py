@@ -35,6 +35,7 @@ MULTI_TURN_CORE = {
     "tiny_warmup_examples",
     "world_model_think",
     "world_model",
+    "pick",
     "world_model_warmup",
     "main",
 }

@@ -582,8 +582,8 @@ def test_generation_logprobs_match_update_pass(tiny, k):
             mb = ss.micro_view(batch, idx)
             logp[idx, : mb["cols"]] = ss.policy_forward(model, mb, 0.7)[0]
     m = mask.bool()
-    assert m.sum() > 50
-    torch.testing.assert_close(logp[m], batch["gen_logprobs"][m], atol=1e-4, rtol=0)
+    assert m.sum() > 50  # float32 in another order (cached decode vs one pass): 1e-4, plus 1e-4 of the value
+    torch.testing.assert_close(logp[m], batch["gen_logprobs"][m], atol=1e-4, rtol=1e-4)
 
 
 # ---- flags ------------------------------------------------------------------------------------------------------
