@@ -37,8 +37,7 @@ def word_policy_success(env: ss.SokobanEnv, seed: int, budget: int, rollouts: in
             words = {move: env.outcome(move) for move in ss.ACTIONS}
             best = min(WORD_ORDER.index(w) for w in words.values())
             move = rng.choice([m for m, w in words.items() if WORD_ORDER.index(w) == best])
-            env.player, env.boxes, _ = ss.push(env.floor, env.player, env.boxes, ss.ACTIONS[move])
-            if env.solved():
+            if env.step(move)[2]:  # done: the room is solved
                 wins += 1
                 break
     return wins / rollouts
