@@ -276,13 +276,14 @@ from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, m
 
 # Tiny-model recipe (keyword arguments of common.build_tiny_model): 1,500 steps of the reading stage (in-context
 # copying on random token strings, common.reading_stage), then the world-model warm-up (whole episodes, every reply
-# trained; see tiny_warmup_examples), 300 steps of 8 episodes.
-TINY_BUILD = dict(sft_steps=300, sft_batch_size=8, reading_steps=1500)
+# trained; see tiny_warmup_examples), 600 steps of 8 of 800 episodes, as Sokoban's.
+TINY_BUILD = dict(sft_steps=600, sft_batch_size=8, reading_steps=1500)
 TINY_WARMUP_MOVES = 2  # moves in every warm-up answer (see tiny_warmup_examples)
-# Flags the tiny model's warm-up always takes at their defaults (see tiny_warmup_examples): one cached model serves
-# slippery and non-slippery ice (its think predicts each move as meant) and every budget.
-TINY_WARMUP_FIXED = ("max_turns", "max_actions_per_turn", "max_actions_per_traj", "slippery")
-TINY_WARMUP_SEEDS = (3 * 10**9, 600)  # warm-up episodes: first seed, how many (never trained or evaluated on)
+# The budget every tiny warm-up plays, whatever the run's flags (see tiny_warmup_examples): the tiny preset's ten
+# one-move turns. One cached model serves slippery and non-slippery ice (its think predicts each move as meant) and
+# every budget. Warmed up on five turns, the picks fell apart past turn 5 (README, "The slippery lake").
+TINY_WARMUP_FIXED = dict(max_turns=10, max_actions_per_turn=5, max_actions_per_traj=10, slippery=True)
+TINY_WARMUP_SEEDS = (3 * 10**9, 800)  # warm-up episodes: first seed, how many (never trained or evaluated on)
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 TASK = "frozenlake"
 
@@ -1608,7 +1609,7 @@ def world_model_warmup(args: Args, model_path: str, device: str) -> str:
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=remote).to(device)
-    rows = common.sft_rows(tok, tiny_warmup_examples(args, fixed=()))
+    rows = common.sft_rows(tok, tiny_warmup_examples(args, fixed={}))
     common.write_line(
         f"world-model warm-up: {args.warmup_steps} steps of {args.warmup_batch_size} ({len(rows)} episodes)"
     )
@@ -1639,7 +1640,7 @@ def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[lis
     Two moves a turn (not 1 to 5) keeps replies short, uses the whole 10-move budget in 5 turns, and leaves room
     to react to slips: the best agent that answers two moves a turn scores almost what the closed-loop optimum does.
     With --outcomes (the tiny preset) one move a turn, drawn the same way, and the think ends with its pick; the
-    warm-up's five turns then play half the budget, while the preset's RL plays ten (README: "The slippery lake").
+    tiny warm-up then plays the preset's ten turns (TINY_WARMUP_FIXED; README: "The slippery lake").
     """
     n = 1 if env.outcomes else TINY_WARMUP_MOVES  # --outcomes describes the next move only: one a turn
     moves = [rng.choice(ACTIONS) for _ in range(min(n, per_turn, left))]
@@ -1659,10 +1660,10 @@ def tiny_warmup_examples(args: Args, seed: int = 0, fixed=TINY_WARMUP_FIXED) -> 
     episode, built from exactly the messages the rollout produces; common.sft_rows trains every reply in it.
     Nothing here prefers a good move: which one is good is left to RL.
     """
-    # The `fixed` flags (TINY_WARMUP_FIXED) always take their defaults, whatever this run's: one cached tiny model
-    # then serves every budget (e.g. WORKSHOP.md's --max-actions-per-turn 1), and RL adapts it to the rules it is
-    # shown. --warmup-steps passes fixed=(): a model warmed up for this run sees this run's own settings.
-    args = replace(args, **{name: getattr(Args(), name) for name in fixed})
+    # The `fixed` flags (TINY_WARMUP_FIXED: the tiny preset's budget) always take those values, whatever this run's:
+    # one cached tiny model then serves every budget (e.g. WORKSHOP.md's --max-actions-per-turn 1), and RL adapts
+    # it to the rules it is shown. --warmup-steps passes fixed={}: a model warmed up for this run sees its settings.
+    args = replace(args, **fixed)
     rng = random.Random(seed)
     first_seed, episodes = TINY_WARMUP_SEEDS
     examples = []

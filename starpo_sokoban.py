@@ -282,11 +282,12 @@ from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, m
 
 # Tiny-model recipe (keyword arguments of common.build_tiny_model): 1,500 steps of the reading stage (in-context
 # copying on random token strings, common.reading_stage), then the world-model warm-up (whole episodes, every reply
-# trained; see tiny_warmup_examples), 600 steps of 8 of 800 episodes. Twice FrozenLake's: after 300 steps of 8 of
+# trained; see tiny_warmup_examples), 600 steps of 8 of 800 episodes, as FrozenLake's. After 300 steps of 8 of
 # 400 the pick matched its move's word on 0.98 of first turns but 0.59-0.83 of later ones, and RL wore that down
 # (README, "SimpleSokoban"); after 600 of 800, 0.90-0.97 on every turn.
 TINY_BUILD = dict(sft_steps=600, sft_batch_size=8, reading_steps=1500)
-TINY_WARMUP_FIXED = ("max_turns", "max_actions_per_turn", "max_actions_per_traj")  # see tiny_warmup_examples
+# The budget every tiny warm-up plays, whatever the run's flags (see tiny_warmup_examples): the tiny preset's.
+TINY_WARMUP_FIXED = dict(max_turns=5, max_actions_per_turn=5, max_actions_per_traj=10)
 TINY_WARMUP_SEEDS = (5 * 10**8, 800)  # warm-up episodes: first seed, how many (never trained or evaluated on)
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 TASK = "sokoban"
@@ -1685,7 +1686,7 @@ def world_model_warmup(args: Args, model_path: str, device: str) -> str:
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=remote).to(device)
-    rows = common.sft_rows(tok, tiny_warmup_examples(args, fixed=()))
+    rows = common.sft_rows(tok, tiny_warmup_examples(args, fixed={}))
     common.write_line(
         f"world-model warm-up: {args.warmup_steps} steps of {args.warmup_batch_size} ({len(rows)} episodes)"
     )
@@ -1731,10 +1732,10 @@ def tiny_warmup_examples(args: Args, seed: int = 0, fixed=TINY_WARMUP_FIXED) -> 
     episode, built from exactly the messages the rollout produces; common.sft_rows trains every reply in it.
     Nothing here prefers a good move: which one is good is left to RL.
     """
-    # The `fixed` flags (TINY_WARMUP_FIXED) always take their defaults, whatever this run's: one cached tiny model
-    # then serves every budget (e.g. WORKSHOP.md's --max-actions-per-turn 1), and RL adapts it to the rules it is
-    # shown. --warmup-steps passes fixed=(): a model warmed up for this run sees this run's own settings.
-    args = replace(args, **{name: getattr(Args(), name) for name in fixed})
+    # The `fixed` flags (TINY_WARMUP_FIXED: the tiny preset's budget) always take those values, whatever this run's:
+    # one cached tiny model then serves every budget (e.g. WORKSHOP.md's --max-actions-per-turn 1), and RL adapts
+    # it to the rules it is shown. --warmup-steps passes fixed={}: a model warmed up for this run sees its settings.
+    args = replace(args, **fixed)
     rng = random.Random(seed)
     first_seed, episodes = TINY_WARMUP_SEEDS
     examples = []
