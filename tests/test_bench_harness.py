@@ -108,3 +108,19 @@ def test_sokoban_budget_bounds_the_word_policy_by_the_optimum(tmp_path):
     for r in rows:
         assert 0 <= r["random"] <= r["optimal"] and r["word_policy"] <= r["optimal"] <= 1
     assert rows[0]["optimal"] <= rows[1]["optimal"]
+
+
+def test_cpu_bf16_times_both_precisions(tmp_path):
+    """bench/cpu_bf16.py: the update and a turn's generation timed in float32 and under bf16 autocast, whose
+    logits really are bf16; the JSON says which bf16 instructions the CPU has."""
+    import cpu_bf16
+
+    out = tmp_path / "bf16.json"
+    cpu_bf16.main(["--reps", "1", "--rows", "2", "--tokens", "64", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["autocast_logits_dtype"] == "torch.bfloat16"
+    for part in ("update", "generate"):
+        assert r[part]["fp32_s"] > 0 and r[part]["bf16_s"] > 0
+        assert r[part]["speedup"] == round(r[part]["fp32_s"] / r[part]["bf16_s"], 2)
+    assert r["setup"]["update_batch"] == [2, 64] and r["setup"]["generate_prompts"] == 64
+    assert isinstance(r["cpu_bf16_flags"], list) and r["command"].endswith("--out " + str(out))
