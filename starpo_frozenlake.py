@@ -44,11 +44,11 @@ How it departs from the paper / RAGEN:
     world-model think restates that line outcome first and picks one move ("ice Left, to Down, hole Right, wall Up.
     to Down"), one move a turn; RL then only has to prefer a word (README: "The first multi-turn run that learns").
   * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model that ships in tiny/ (its build,
-    tools/ship_tiny.py, took 50 minutes on two busy cores): first a task-agnostic reading stage (1,500 steps on random
+    tools/ship_tiny.py, takes 37 minutes on two idle cores): first a task-agnostic reading stage (1,500 steps on random
     token strings that teach in-context copying and lookup, common.reading_stage; nothing of the lake), then a
-    world-model warm-up (SPA, arXiv 2510.15047): 300 supervised steps on self-play episodes whose moves are uniformly
-    random and whose think is the environment's own account of the lake (world_model_think), with --outcomes the
-    restated Moves line and the random move's pick. It learns to read the lake, never which move is good
+    world-model warm-up (SPA, arXiv 2510.15047): 600 supervised steps on ten-turn self-play episodes whose moves are
+    uniformly random and whose think is the environment's own account of the lake (world_model_think), with
+    --outcomes the restated Moves line and the random move's pick. It learns to read the lake, never which move is good
     (tests/test_world_model.py checks the moves are uniform whatever the state); RL learns that. `--warmup-steps N`
     runs the same warm-up on any model before RL; the world_model rubric component (log only) scores every think
     against the truth. A tiny run with other observation flags (e.g. --no-outcomes) builds its own model first.
