@@ -528,6 +528,27 @@ def attention_implementation(device: str) -> str:
     return "sdpa_gqa"
 
 
+def resolve_precision(precision: str, device: str, cpu_flags: str | None = None) -> str:
+    """--precision auto -> "bf16" or "fp32"; "bf16" and "fp32" pass through.
+
+    auto is bf16 on a CUDA device that supports it, and on a CPU only where it multiplies bf16 matrices natively
+    (amx_bf16 or avx512_bf16 among /proc/cpuinfo's flags: recent Xeons, AMD Zen 4 and later); elsewhere bf16 is
+    emulated and slower than float32. On this project's 2-core Xeon (AMX-BF16) a tiny-model update runs 2.2x faster
+    and a bf16 copy of the policy samples about 1.5x faster (bench/results/cpu_bf16.json).
+    """
+    if precision != "auto":
+        return precision
+    if device == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpu_flags = ""
+    flags = set(cpu_flags.split())
+    return "bf16" if flags & {"amx_bf16", "avx512_bf16"} else "fp32"
+
+
 class TurnCache:
     """Each live episode's KV cache from one turn to the next of a multi-turn rollout (hf backend).
 

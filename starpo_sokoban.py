@@ -127,6 +127,8 @@ class Args:
     """sampling temperature for evaluation"""
     gen_batch_size: int = 256
     """hf backend: replies generated per generate() call"""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA and on CPUs with native bf16 (AMX-BF16, AVX512-BF16), else fp32"""
     vllm_gpu_memory_utilization: float = 0.4
     """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
     vllm_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -1439,9 +1441,10 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     """old_logp, ref_logp (for the KL term), old_values, each (N, C) over the batch's loss columns, and tis (TIS
     weights, or None); then metrics: how far the sampler's log-probs were from the trainer's (recompute only).
 
-    The hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we reuse
-    those log-probs; vLLM's kernels and bf16 differ slightly, so there (recompute) we recompute them, as veRL does,
-    and log the gap on the sampled tokens (rollout/logprob_diff_mean, _max): the train / inference mismatch.
+    A float32 hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we
+    reuse those log-probs; a bf16 sampler (vLLM, or the policy's bf16 copy on a CPU) differs slightly, so there
+    (recompute) we recompute them at the update's precision, as veRL does, and log the gap on the sampled tokens
+    (rollout/logprob_diff_mean, _max): the train / inference mismatch.
     """
     old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
@@ -1848,6 +1851,7 @@ def main(argv=None):
     args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
     threads = common.thread_policy() if device == "cpu" else "torch's default"  # before any model work
+    precision = common.resolve_precision(args.precision, device)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1861,7 +1865,7 @@ def main(argv=None):
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
     common.write_line(
         f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
-        f"estimator: {args.estimator}  preset: {args.preset} ({preset})  threads: {threads}"
+        f"estimator: {args.estimator}  preset: {args.preset} ({preset})  precision: {precision}  threads: {threads}"
     )
     common.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
@@ -1869,7 +1873,7 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
-    dtype = torch.float32  # fp32 master weights; bf16 autocast on CUDA
+    dtype = torch.float32  # float32 master weights (and optimizer state); --precision bf16 autocasts the passes
     kw = dict(dtype=dtype, attn_implementation=common.attention_implementation(device))  # CPU: GQA without copies
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw, trust_remote_code=remote).to(device)
     policy = load(policy_path)
@@ -1879,23 +1883,27 @@ def main(argv=None):
     critic_opt = (
         torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
     )
-    on_cuda = device == "cuda"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else torch.autocast("cpu", enabled=False)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
+    # bf16 on a CPU: replies come from a bf16 copy of the policy, as from a bf16 vLLM engine (autocast's casts in
+    # every decode step cost more than they save), refreshed after each update; the update recomputes their log-probs.
+    cpu_bf16 = precision == "bf16" and device == "cpu" and llm is None
+    sampler = copy.deepcopy(policy).to(torch.bfloat16).eval() if cpu_bf16 else policy
+    recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric = weighted_rubric(RUBRIC, args.rubric_weights)
     common.write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
-    config = dict(task=TASK, model_path=model_path, device=device, backend=backend)
+    config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
     run = common.Run(args, TASK, resume_from, policy, tok, state, config, echo_trap_warnings)
 
     def generate(prompts, temperature, turn_cache=None):
-        policy.eval()
+        sampler.eval()
         with run.timer("gen"):
             if llm is not None:  # vLLM's prefix cache reuses the episode so far by itself
                 return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
             with autocast:
                 return hf_generate(
-                    policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size, turn_cache
+                    sampler, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size, turn_cache
                 )
 
     scale = baselines(args)  # the same reference points for every evaluation, computed once
@@ -1923,7 +1931,7 @@ def main(argv=None):
 
         # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
         with run.timer("logprob"):
-            old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, llm is not None, autocast)
+            old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)
 
         # ---- advantages ------------------------------------------------------------------------------------------
         if args.estimator == "grpo":
@@ -1957,6 +1965,8 @@ def main(argv=None):
             )
             if llm is not None:
                 vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
+            elif sampler is not policy:
+                sampler.load_state_dict(policy.state_dict())  # the bf16 sampler takes the new weights, cast
 
         # ---- log -------------------------------------------------------------------------------------------------
         record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}

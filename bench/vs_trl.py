@@ -126,6 +126,8 @@ def matched_settings(
         "hf",
         "--device",
         "cpu",
+        "--precision",
+        "fp32",  # TRL trains in float32 here (bf16=False): like for like
         "--n-groups",
         str(n_groups),
         "--group-size",
