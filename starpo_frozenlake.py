@@ -1369,8 +1369,13 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     A float32 hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we
     reuse those log-probs; a bf16 sampler (vLLM, or the policy's bf16 copy on a CPU) differs slightly, so there
     (recompute) we recompute them at the update's precision, as veRL does, and log the gap on the sampled tokens
-    (rollout/logprob_diff_mean, _max): the train / inference mismatch.
+    (rollout/logprob_diff_mean, _max): the train / inference mismatch. Unless the update is one optimizer step
+    (--ppo-epochs 1, every row in one mini-batch): its weights then cannot move before its own pass, which therefore
+    gives the old log-probs (a ratio of 1, veRL's on-policy shortcut). old_logp is None then, and ppo_update takes
+    them, the gap and the TIS weights from that pass: one forward pass fewer.
     """
+    one_step = args.ppo_epochs == 1 and len(mask) <= args.mini_batch_size
+    recompute, deferred = recompute and not one_step, recompute and one_step
     old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
     policy.eval()
@@ -1392,6 +1397,7 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
         metrics = {"rollout/logprob_diff_mean": gap["mean"], "rollout/logprob_diff_max": gap["max"]}
         if args.tis_cap > 0:
             tis = common.tis_weights(old_logp, batch["gen_logprobs"], args.tis_cap)  # (N, C)
+    old_logp = None if deferred else old_logp  # None: ppo_update's own pass gives them
     return dict(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values, tis=tis), metrics
 
 
@@ -1400,13 +1406,15 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
     """--ppo-epochs passes over the rows in shuffled mini-batches (one optimizer step each, gradients accumulated
     over micro-batches): clipped policy loss - entropy bonus (+ KL) (+ the critic's clipped value loss).
     inputs: mask, advantages, returns (None without a critic), old_logp, ref_logp, old_values, tis (None: off).
+    old_logp None (one optimizer step, a sampler of another precision; see old_logprobs): this pass's own log-probs
+    are the old ones, and the gap to the sampler's (rollout/logprob_diff_*) and the TIS weights come from them.
     Returns (metrics: actor/..., critic/..., skipped updates). An update whose loss or gradient is not finite is
     skipped whole: one NaN would poison the weights and the Adam state."""
     mask, advantages, returns, tis = inputs["mask"], inputs["advantages"], inputs["returns"], inputs["tis"]
     old_logp, ref_logp, old_values = inputs["old_logp"], inputs["ref_logp"], inputs["old_values"]
     policy.train()
     stats: dict[str, list] = {}
-    skipped = 0
+    skipped, gaps = 0, []  # gaps: |this pass - the sampler| on the sampled tokens, when old_logp is None
     for _ in range(args.ppo_epochs):
         for mini in micro_batches(len(mask), args.mini_batch_size, generator):
             opt.zero_grad(set_to_none=True)
@@ -1424,8 +1432,13 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 with autocast:
                     logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
                 is_w = None if tis is None else tis[i, :c]  # (b, c): importance weights (--tis-cap), or None
+                old = old_logp[i, :c] if old_logp is not None else logp.detach()  # (b, c)
+                if old_logp is None:  # the weights have not moved: this pass is the old policy (ratio 1)
+                    sampled = batch["gen_logprobs"][i, :c]  # (b, c)
+                    gaps.append((old - sampled).abs()[m.bool()])
+                    is_w = common.tis_weights(old, sampled, args.tis_cap) if args.tis_cap > 0 else None
                 clips = (args.clip_low, args.clip_high, args.dual_clip or None)
-                pg, pg_stats = policy_loss(logp, old_logp[i, :c], advantages[i, :c], m, *clips, args.loss_agg, is_w)
+                pg, pg_stats = policy_loss(logp, old, advantages[i, :c], m, *clips, args.loss_agg, is_w)
                 ent = agg_loss(entropy, m, args.loss_agg)
                 loss = pg - args.entropy_coef * ent
                 if ref is not None:
@@ -1458,6 +1471,10 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 skipped += 1
     out = {("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()}
     out["actor/skipped_updates"] = skipped
+    if gaps:  # as old_logprobs logs it when it runs the pass itself
+        gap = torch.cat(gaps)
+        out["rollout/logprob_diff_mean"] = gap.mean().item() if gap.numel() else 0.0
+        out["rollout/logprob_diff_max"] = gap.max().item() if gap.numel() else 0.0
     if critic is not None:
         ret, val_old = returns[mask.bool()], old_values[mask.bool()]
         out["critic/vf_explained_var"] = (

@@ -121,6 +121,7 @@ def summarise(
         "steps": len(train),
         "median_s_per_step": median(lambda r: r["timing_s/step"]),
         "median_s_per_step_excl_eval": median(lambda r: r["timing_s/step"] - r.get("timing_s/eval", 0.0)),
+        "median_turns_per_step": median(lambda r: r.get("train/num_turns", 1)),  # a step's cost grows with them
         "median_s_breakdown": {
             k: median(lambda r, k=k: r[f"timing_s/{k}"]) for k in ("gen", "env", "logprob", "update")
         },

@@ -111,15 +111,21 @@ def test_sokoban_budget_bounds_the_word_policy_by_the_optimum(tmp_path):
 
 
 def test_cpu_bf16_times_both_precisions(tmp_path):
-    """bench/cpu_bf16.py: the update and a turn's generation timed in float32 and under bf16 autocast, whose
-    logits really are bf16; the JSON says which bf16 instructions the CPU has."""
+    """bench/cpu_bf16.py: the update and a turn's generation timed in float32 and in bf16 (autocast's logits really
+    are bf16), then the default run in each precision; the JSON says which bf16 instructions the CPU has."""
     import cpu_bf16
 
     out = tmp_path / "bf16.json"
-    cpu_bf16.main(["--reps", "1", "--rows", "2", "--tokens", "64", "--out", str(out)])
+    cpu_bf16.main(
+        ["--reps", "1", "--rows", "2", "--tokens", "64", "--run-steps", "1", "--run-reps", "1", "--out", str(out)]
+    )
     r = json.loads(out.read_text())
     assert r["autocast_logits_dtype"] == "torch.bfloat16"
-    for part in ("update", "generate"):
+    run = r["default_run"]
+    for precision in ("fp32", "bf16"):
+        assert run[precision]["s_per_step"] > 0 and run[precision]["turns_per_step"] >= 1
+    assert run["speedup_s_per_step"] == round(run["fp32"]["s_per_step"] / run["bf16"]["s_per_step"], 2)
+    for part in ("update", "generate", "generate_autocast"):
         assert r[part]["fp32_s"] > 0 and r[part]["bf16_s"] > 0
         assert r[part]["speedup"] == round(r[part]["fp32_s"] / r[part]["bf16_s"], 2)
     assert r["setup"]["update_batch"] == [2, 64] and r["setup"]["generate_prompts"] == 64

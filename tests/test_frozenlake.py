@@ -642,6 +642,49 @@ def test_update_is_the_same_whatever_the_micro_batch_plan(tiny, monkeypatch):
     assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-5)
 
 
+def test_one_step_update_takes_the_old_logprobs_from_its_own_pass(tiny):
+    """A sampler of another precision (vLLM, the bf16 copy) needs the old log-probs recomputed; with one optimizer step
+    per update (--ppo-epochs 1, all rows in one mini-batch) old_logprobs skips that pass and ppo_update takes them, the
+    logged gap and the TIS weights from its own: the weights after the step and the gap equal those of the pass."""
+    from dataclasses import replace
+
+    model, tok = tiny
+    args, trajs, _ = recorded_rollout(tiny, [], temperature=0.7)
+    rows = fl.training_rows(trajs, None) + fl.training_rows(trajs, 1)
+    batch = fl.collate(rows, tok.pad_token_id, "cpu")
+    mask = batch["loss_mask"]
+    torch.manual_seed(1)
+    batch["gen_logprobs"] = batch["gen_logprobs"] + 0.05 * torch.randn(mask.shape) * mask  # another sampler's
+    one = replace(args, ppo_epochs=1, mini_batch_size=len(rows), tis_cap=1.5)
+    nc = contextlib.nullcontext()
+    passed, gap = fl.old_logprobs(model, None, None, batch, mask, replace(one, mini_batch_size=1), True, nc)
+    deferred, none = fl.old_logprobs(model, None, None, batch, mask, one, True, nc)
+    assert deferred["old_logp"] is None and deferred["tis"] is None and none == {}
+    assert passed["old_logp"] is not None and passed["tis"] is not None and gap["rollout/logprob_diff_mean"] > 0.01
+
+    def one_update(old):
+        policy = copy.deepcopy(model)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+        inputs = dict(mask=mask, advantages=torch.randn(mask.shape, generator=torch.Generator().manual_seed(2)) * mask,
+                      returns=None, **old)  # fmt: skip
+        metrics, skipped = fl.ppo_update(policy, None, None, opt, None, batch, inputs, one, torch.Generator(), nc)
+        assert skipped == 0
+        return torch.cat([(p - q).flatten() for p, q in zip(policy.parameters(), model.parameters())]), metrics
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same order of sums in both (see the gradient test above)
+    try:
+        with_pass, m1 = one_update(passed)
+        own, m2 = one_update(deferred)
+    finally:
+        torch.set_num_threads(threads)
+    assert own.abs().sum() > 0
+    torch.testing.assert_close(with_pass, own, rtol=1e-4, atol=2 * torch.finfo(torch.float32).eps)
+    assert m2["rollout/logprob_diff_mean"] == pytest.approx(gap["rollout/logprob_diff_mean"], rel=1e-4)
+    assert m2["rollout/logprob_diff_max"] == pytest.approx(gap["rollout/logprob_diff_max"], rel=1e-4)
+    assert "rollout/logprob_diff_mean" not in m1 and m2["actor/ppo_kl"] == 0.0  # ratio 1 on its own pass
+
+
 def test_tiny_warmup_is_random_and_format_correct():
     """The warm-up teaches the format on real episodes; its moves are uniformly random (never the solver's)."""
     examples = fl.tiny_warmup_examples(args_for())
