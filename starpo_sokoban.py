@@ -128,7 +128,7 @@ class Args:
     gen_batch_size: int = 256
     """hf backend: replies generated per generate() call"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA and on CPUs with native bf16 (AMX-BF16, AVX512-BF16), else fp32"""
+    """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA, fp32 on a CPU (where bf16 measured no faster over real training)"""
     vllm_gpu_memory_utilization: float = 0.4
     """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
     vllm_dtype: Literal["bfloat16", "float32"] = "bfloat16"

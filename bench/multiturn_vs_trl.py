@@ -42,18 +42,8 @@ import vs_trl  # noqa: E402  (the bandit benchmark: its step-time and subprocess
 def starpo_flags(steps: int, val_size: int, seed: int, keep_ratio: float | None = None) -> list[str]:
     """starpo_frozenlake.py's flags (model and output directory added by the caller): the tiny preset, GRPO."""
     flags = ["--preset", "tiny", "--algo", "starpo-s", "--estimator", "grpo", "--no-slippery", "--backend", "hf"]
-    flags += [
-        "--device",
-        "cpu",
-        "--precision",
-        "fp32",
-        "--steps",
-        str(steps),
-        "--eval-every",
-        str(steps),
-        "--val-size",
-        str(val_size),
-    ]
+    flags += ["--device", "cpu", "--precision", "fp32"]  # TRL trains in float32 here (bf16=False): like for like
+    flags += ["--steps", str(steps), "--eval-every", str(steps), "--val-size", str(val_size)]
     flags += ["--seed", str(seed), "--sample-every", "0", "--log-rollouts-every", "0", "--kl-coef", "0"]
     return flags + (["--keep-ratio", str(keep_ratio)] if keep_ratio is not None else [])
 

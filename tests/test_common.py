@@ -1310,20 +1310,13 @@ def test_thread_policy_yields_the_cores_other_processes_use(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_resolve_precision_takes_bf16_only_where_the_cpu_has_it():
-    xeon = "flags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
-    zen4 = "flags\t\t: fpu sse2 avx512f avx512_bf16\n"
-    laptop = "flags\t\t: fpu sse2 avx2 fma\n"
-    assert common.resolve_precision("auto", "cpu", xeon) == "bf16"
-    assert common.resolve_precision("auto", "cpu", zen4) == "bf16"
-    assert common.resolve_precision("auto", "cpu", laptop) == "fp32"
-    assert common.resolve_precision("auto", "cpu", "") == "fp32"  # no /proc/cpuinfo (macOS): float32
-    assert common.resolve_precision("auto", "cpu", "flags: avx512_bf16x") == "fp32"  # whole flags only
-    assert (
-        common.resolve_precision("fp32", "cpu", xeon) == "fp32"
-        and common.resolve_precision("bf16", "cpu", "") == "bf16"
-    )
-    assert common.resolve_precision("auto", "cpu") in ("bf16", "fp32")  # this machine's own flags
+def test_resolve_precision_keeps_a_cpu_in_float32_unless_asked(monkeypatch):
+    assert common.resolve_precision("auto", "cpu") == "fp32"
+    assert common.resolve_precision("bf16", "cpu") == "bf16" and common.resolve_precision("fp32", "cuda") == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert common.resolve_precision("auto", "cuda") == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # pre-Ampere GPUs
+    assert common.resolve_precision("auto", "cuda") == "fp32"
 
 
 def test_busy_cores_elsewhere_does_not_count_this_process():
