@@ -1,4 +1,4 @@
-"""Benchmark: what does --precision bf16 buy on this CPU? (#16; `--precision auto` picks bf16 where the CPU has it.)
+"""Benchmark: what does --precision bf16 buy on this CPU? (#16; `--precision auto` keeps a CPU in float32.)
 
 Times the shipped FrozenLake tiny model in float32 and in bf16, same weights, in this process: the update's inner
 loop (forward + backward on a batch of token rows, fp32 weights under torch.autocast("cpu", bfloat16), as the scripts
@@ -6,7 +6,8 @@ train) and the generation of one turn (starpo_frozenlake.hf_generate on the defa
 new tokens, KV cache) by a bf16 copy of the model, as the scripts sample, and under autocast for comparison. Then,
 unless --run-steps 0, the default command itself: `starpo_frozenlake.py` on the same seeds in each precision,
 alternating, with the weights held still (--lr 1e-12), so both play the same kind of episodes: seconds per step,
-generation per turn played, and the update with its log-prob pass. CPUs with AMX-BF16 or AVX512-BF16 (cpuinfo's
+generation per turn played, and the update with its log-prob pass (weights held still flatter bf16: in training
+it was no faster here, bench/results/frozenlake_20steps_*.json). CPUs with AMX-BF16 or AVX512-BF16 (cpuinfo's
 flags, recorded in the JSON) run bf16 matrix products natively; others get slower.
 
     python bench/cpu_bf16.py                       # writes bench/results/cpu_bf16.json
