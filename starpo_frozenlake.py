@@ -1414,7 +1414,8 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
     old_logp, ref_logp, old_values = inputs["old_logp"], inputs["ref_logp"], inputs["old_values"]
     policy.train()
     stats: dict[str, list] = {}
-    skipped, gaps = 0, []  # gaps: |this pass - the sampler| on the sampled tokens, when old_logp is None
+    skipped = 0
+    own = torch.zeros_like(mask) if old_logp is None else None  # (N, C): this pass's log-probs, when they are the old
     for _ in range(args.ppo_epochs):
         for mini in micro_batches(len(mask), args.mini_batch_size, generator):
             opt.zero_grad(set_to_none=True)
@@ -1433,10 +1434,10 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                     logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
                 is_w = None if tis is None else tis[i, :c]  # (b, c): importance weights (--tis-cap), or None
                 old = old_logp[i, :c] if old_logp is not None else logp.detach()  # (b, c)
-                if old_logp is None:  # the weights have not moved: this pass is the old policy (ratio 1)
-                    sampled = batch["gen_logprobs"][i, :c]  # (b, c)
-                    gaps.append((old - sampled).abs()[m.bool()])
-                    is_w = common.tis_weights(old, sampled, args.tis_cap) if args.tis_cap > 0 else None
+                if own is not None:  # the weights have not moved: this pass is the old policy (ratio 1)
+                    own[i, :c] = old
+                    if args.tis_cap > 0:  # tis is None here: the weights come from this pass
+                        is_w = common.tis_weights(old, batch["gen_logprobs"][i, :c], args.tis_cap)
                 clips = (args.clip_low, args.clip_high, args.dual_clip or None)
                 pg, pg_stats = policy_loss(logp, old, advantages[i, :c], m, *clips, args.loss_agg, is_w)
                 ent = agg_loss(entropy, m, args.loss_agg)
@@ -1471,10 +1472,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 skipped += 1
     out = {("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()}
     out["actor/skipped_updates"] = skipped
-    if gaps:  # as old_logprobs logs it when it runs the pass itself
-        gap = torch.cat(gaps)
-        out["rollout/logprob_diff_mean"] = gap.mean().item() if gap.numel() else 0.0
-        out["rollout/logprob_diff_max"] = gap.max().item() if gap.numel() else 0.0
+    if own is not None:  # as old_logprobs logs it when it runs the pass itself
+        gap = common.logprob_mismatch(own, batch["gen_logprobs"], mask)
+        out["rollout/logprob_diff_mean"], out["rollout/logprob_diff_max"] = gap["mean"], gap["max"]
     if critic is not None:
         ret, val_old = returns[mask.bool()], old_values[mask.bool()]
         out["critic/vf_explained_var"] = (
