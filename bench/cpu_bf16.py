@@ -16,12 +16,9 @@ flags, recorded in the JSON) run bf16 matrix products natively; others get slowe
 
 import argparse
 import copy
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -123,14 +120,12 @@ def main(argv=None) -> None:
 def default_runs(steps: int, reps: int) -> dict:
     """starpo_frozenlake.py's defaults for `steps` steps in each precision (alternating, `reps` runs each), weights held
     still: medians over the runs of the per-step means."""
-    flags = ["--steps", str(steps), "--eval-every", "0", "--val-size", "8", "--sample-every", "0", "--lr", "1e-12"]
+    flags = ["--steps", str(steps), "--eval-every", "0", "--val-size", "8", "--lr", "1e-12"]
     runs: dict[str, list] = {"fp32": [], "bf16": []}
     for _ in range(reps):
         for precision in runs:
-            with tempfile.TemporaryDirectory() as tmp:
-                cmd = [sys.executable, "starpo_frozenlake.py", *flags, "--precision", precision, "--output-dir", tmp]
-                subprocess.run(cmd, cwd=harness.ROOT, check=True, capture_output=True)
-                rows = [json.loads(line) for line in open(Path(tmp) / "metrics.jsonl")][1:]
+            run = harness.run_script("starpo_frozenlake.py", [*flags, "--precision", precision], warm_cache=True)
+            rows = run["rows"][1:]
             turns = sum(r["train/num_turns"] for r in rows)
             runs[precision].append(
                 {
@@ -141,7 +136,7 @@ def default_runs(steps: int, reps: int) -> dict:
                     "turns_per_step": turns / len(rows),
                 }
             )
-    out = {"command": "python starpo_frozenlake.py " + " ".join(flags) + " --precision {fp32,bf16}"}
+    out = {"command": "python starpo_frozenlake.py --sample-every 0 " + " ".join(flags) + " --precision {fp32,bf16}"}
     for precision, rs in runs.items():
         out[precision] = {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
     out["speedup_s_per_step"] = round(out["fp32"]["s_per_step"] / out["bf16"]["s_per_step"], 2)
