@@ -1801,7 +1801,9 @@ def print_sample(step: int, t: Trajectory) -> None:
 def main(argv=None):
     args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
-    threads = common.thread_policy() if device == "cpu" else "torch's default"  # before any model work
+    if device == "cpu":  # before any model work
+        common.keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
+    threads = common.thread_policy() if device == "cpu" else "torch's default"
     precision = common.resolve_precision(args.precision, device)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers

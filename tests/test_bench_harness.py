@@ -130,3 +130,17 @@ def test_cpu_bf16_times_both_precisions(tmp_path):
         assert r[part]["speedup"] == round(r[part]["fp32_s"] / r[part]["bf16_s"], 2)
     assert r["setup"]["update_batch"] == [2, 64] and r["setup"]["generate_prompts"] == 64
     assert isinstance(r["cpu_bf16_flags"], list) and r["command"].endswith("--out " + str(out))
+
+
+def test_cpu_memory_runs_each_variant_on_the_same_episodes(tmp_path):
+    """bench/cpu_memory.py: the old NaN fill and glibc's default malloc change the seconds and the memory, never the
+    numbers: every variant's run plays the same episodes with the same rewards."""
+    import cpu_memory
+
+    out = tmp_path / "mem.json"
+    cpu_memory.main(["--reps", "1", "--steps", "2", "--scripts", "starpo_bandit.py", "--out", str(out)])
+    r = json.loads(out.read_text())["starpo_bandit.py"]
+    assert r["same_episodes_in_every_run"] is True
+    for variant in ("before", "no-fill", "now"):
+        assert r[variant]["s_steps"] > 0 and r[variant]["peak_rss_mb"] > 100
+    assert r["speedup_now_vs_before"] == round(r["before"]["s_steps"] / r["now"]["s_steps"], 3)

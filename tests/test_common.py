@@ -11,10 +11,14 @@ Three kinds of check, all of veRL's semantics (verl.trainer.ppo.core_algos; tole
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import math
 import random
 import statistics
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -1308,6 +1312,67 @@ def test_thread_policy_yields_the_cores_other_processes_use(monkeypatch):
             common.thread_policy({"STARPO_THREADS": "many"}, lambda: 0.0)
     finally:
         torch.set_num_threads(before)
+
+
+class FakeLibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
+
+    def gnu_get_libc_version(self):
+        return b"2.36"
+
+
+def test_keep_freed_memory_sets_glibc_malloc_unless_the_environment_does():
+    libc = FakeLibc()
+    assert common.keep_freed_memory({}, libc) is True
+    assert libc.calls == [(-4, 0), (-1, 2**31 - 1)]  # M_MMAP_MAX 0, then M_TRIM_THRESHOLD
+    for var in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        libc = FakeLibc()
+        assert common.keep_freed_memory({var: "65536"}, libc) is False and libc.calls == []  # yours wins
+    assert common.keep_freed_memory({}, object()) is False  # not glibc (macOS, musl): nothing to set
+
+
+FAULTS = r"""
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+import common
+kept = common.keep_freed_memory() if {keep} else False
+counts = []
+for _ in range(6):  # a 64 MB tensor written and freed, six times
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.empty(2**24)
+    x.fill_(1.0)
+    del x
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, min(counts[1:]))  # the fewest of the repeats
+"""
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or os.environ.get("MALLOC_MMAP_MAX_") is not None, reason="glibc's malloc on Linux"
+)
+def test_kept_freed_memory_is_reused_without_new_page_faults():
+    def run(keep: bool) -> tuple[str, int]:
+        code = FAULTS.format(root=str(Path(common.__file__).parent), keep=keep)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+        return out[0], int(out[1])
+
+    kept, faults = run(True)
+    if kept != "True":
+        pytest.skip("not glibc")
+    _, plain = run(False)
+    assert plain > 4000  # glibc's default: every 64 MB block is a fresh mmap, its 16,384 pages faulted in again
+    assert faults < 1000  # kept: blocks reuse the heap's pages (which of two places a block lands varies)
+
+
+def test_seed_everything_keeps_the_cpu_deterministic_without_filling_new_tensors():
+    common.seed_everything(0, "cpu")
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.utils.deterministic.fill_uninitialized_memory is False  # a debugging aid, 3% of a step
 
 
 def test_resolve_precision_keeps_a_cpu_in_float32_unless_asked(monkeypatch):
