@@ -404,8 +404,9 @@ def keep_freed_memory(environ=os.environ, libc=None) -> bool:
     glibc serves a large block (the KV caches, the update's activations) with a fresh mmap and unmaps it when freed,
     so the next step's tensors land on new pages, each faulted in and zeroed by the kernel; on a virtual machine
     that returns freed pages to its host (this project's), the first touch costs more still. With mmap off
-    (M_MMAP_MAX 0) and no trimming below 2 GiB free (M_TRIM_THRESHOLD), the process reuses its own heap: a default FrozenLake
-    step 7% faster, peak memory 4-6% higher (bench/results/cpu_memory.json). A malloc setting of your own
+    (M_MMAP_MAX 0) and no trimming below 2 GiB free (M_TRIM_THRESHOLD), the process reuses its own heap: with the
+    NaN fill off too (seed_everything), default steps 6% (FrozenLake), 7% (Sokoban) and 4% (bandit) faster, the same
+    episodes bit for bit, peak memory up to 9% higher (bench/results/cpu_memory.json). A malloc setting of your own
     (MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_) wins; without glibc
     (macOS, musl, Windows) nothing changes. Returns whether the setting was made.
     """
@@ -436,8 +437,8 @@ def seed_everything(seed: int, device: str | None = None) -> None:
     if device == "cpu":  # bit-for-bit reproducible CPU runs (resume == uninterrupted, tested): without this the
         torch.use_deterministic_algorithms(True)  # backward of an index with repeats sums in thread order
         # ... but not its debugging aid, which writes NaN into every new tensor before use (each KV-cache buffer,
-        # every activation): 3% of a FrozenLake step, 2.8-4.0 s of fill_ in a profiled rollout. Nothing reads memory
-        # it did not write, so the results are the same bits (the resume and determinism tests).
+        # every activation): 2.5% of a FrozenLake step (bench/results/cpu_memory.json). Nothing reads memory it did
+        # not write, so the results are the same bits (the resume tests; the benchmark's runs play the same episodes).
         torch.utils.deterministic.fill_uninitialized_memory = False
 
 

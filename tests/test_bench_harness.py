@@ -144,3 +144,19 @@ def test_cpu_memory_runs_each_variant_on_the_same_episodes(tmp_path):
     for variant in ("before", "no-fill", "now"):
         assert r[variant]["s_steps"] > 0 and r[variant]["peak_rss_mb"] > 100
     assert r["speedup_now_vs_before"] == round(r["before"]["s_steps"] / r["now"]["s_steps"], 3)
+
+
+def test_profile_step_lists_where_a_rollout_and_its_update_spend_their_time(tmp_path):
+    """bench/profile_step.py: a default FrozenLake rollout and its update under torch.profiler, the top operators
+    with their shares, the page faults of each rollout."""
+    import profile_step
+
+    out = tmp_path / "prof.json"
+    profile_step.main(["--rollouts", "1", "--top", "3", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert [x["profiled"] for x in r["rollouts"]] == [True] and r["rollouts"][0]["turns_per_episode"] >= 1
+    for part in ("rollout_top_ops", "update_top_ops"):
+        ops = r[part]
+        assert len(ops) == 3 and all(0 < o["share"] <= 1 and o["calls"] > 0 for o in ops)
+        assert [o["self_s"] for o in ops] == sorted((o["self_s"] for o in ops), reverse=True)
+    assert r["update"]["rows"] == 32 and r["update"]["padded_tokens"] > 0  # half of 8 groups of 8 kept
