@@ -9,9 +9,9 @@ Each default command runs a few steps (`--eval-every 0 --val-size 8`, tiny model
 rotation, `--reps` times each, every run in a fresh process:
   before   both as they were: NaN fill on, glibc's default malloc (keep_freed_memory does nothing)
   no-fill  the fill off, glibc's default malloc
+  now      what the scripts do
 (Not MALLOC_MMAP_MAX_=65536 for "glibc's default": setting any such variable also stops glibc from raising its mmap
 threshold as blocks are freed, which made these runs 38% slower than the default.)
-  now      what the scripts do
 The runs of one script play the same episodes bit for bit in every variant (checked: same rewards), so their seconds
 compare directly: the sum over the steps after the first, its generation and update, the process's peak memory.
 

@@ -1,9 +1,9 @@
 """Profile: where does a default FrozenLake step spend its time on this CPU? (#16)
 
-Plays rollouts of the default run (`starpo_frozenlake.py`'s tiny preset: 8 groups x 8 episodes, ten turns, the
-shipped tiny model, in this process) with torch.profiler on the last one, and counts the page faults of each
-(getrusage). Then records the update of a training step (the script's own ppo_update on that rollout's kept groups)
-and profiles it too. Prints and writes the operators that took the most time, self CPU.
+Runs the default command itself (`starpo_frozenlake.py --steps N --eval-every 0 --val-size 8`, the shipped tiny model,
+in this process), with its `rollout` and `ppo_update` wrapped (as bench/update_plan.py records its updates): the
+page faults (getrusage) and seconds of every training rollout, and torch.profiler on the last step's rollout and
+update. Prints and writes the operators that took the most time, self CPU.
 
     python bench/profile_step.py                                   # -> bench/results/profile_step.json
     python bench/profile_step.py --rollouts 1 --out /tmp/prof.json
@@ -14,10 +14,13 @@ shares, not the seconds.
 
 import argparse
 import contextlib
+import json
 import os
 import resource
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import harness
 
@@ -36,7 +39,9 @@ def top_ops(prof, n: int) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rollouts", type=int, default=4, help="rollouts played (the last is profiled)")
+    ap.add_argument(
+        "--rollouts", type=int, default=4, help="training steps run (the last one's rollout and update are profiled)"
+    )
     ap.add_argument("--top", type=int, default=12, help="operators listed")
     ap.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "profile_step.json"))
     a = ap.parse_args(argv)
@@ -44,86 +49,65 @@ def main(argv=None) -> None:
     load_start = os.getloadavg()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import common
     import starpo_frozenlake as fl
 
-    memory_kept = common.keep_freed_memory()  # as the scripts start
-    threads = common.thread_policy()
-    args = fl.Args(**fl.PRESETS["tiny"])  # the default run's settings (StarPO-S's are the Args defaults)
-    path = str(common.build_tiny_model(fl.TASK, fl.tiny_warmup_examples(args), **fl.TINY_BUILD))
-    tok = AutoTokenizer.from_pretrained(path)
-    kw = dict(dtype=torch.float32, attn_implementation=common.attention_implementation("cpu"))
-    policy = AutoModelForCausalLM.from_pretrained(path, **kw)
-    common.seed_everything(args.seed, "cpu")
-    rubric = fl.weighted_rubric(fl.RUBRIC, args.rubric_weights)
+    rollouts, update, profiles = [], {}, {}
+    real_rollout, real_update = fl.rollout, fl.ppo_update
 
-    def generate(prompts, temperature, turn_cache=None):
-        with torch.no_grad():
-            return fl.hf_generate(
-                policy, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size, turn_cache
-            )
+    def profiled(name: str, last: bool):
+        if not last:
+            return contextlib.nullcontext()
+        profiles[name] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        return profiles[name]
 
-    G, n = args.n_groups, args.group_size
-    rollouts, prof = [], None
-    for k in range(a.rollouts):
-        seeds = [10**6 + k * G + g for g in range(G) for _ in range(n)]
-        last = k == a.rollouts - 1
-        prof_ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if last else None
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t = time.perf_counter()
-        with prof_ctx or contextlib.nullcontext():
-            trajs = fl.rollout(generate, tok, seeds, args, args.temperature, rubric)
+    def rollout(generate, tok, seeds, args, temperature, rubric):
+        if temperature != args.temperature:  # an evaluation (val_temperature): not profiled
+            return real_rollout(generate, tok, seeds, args, temperature, rubric)
+        faults, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        with profiled("rollout", len(rollouts) == a.rollouts - 1):
+            trajs = real_rollout(generate, tok, seeds, args, temperature, rubric)
         rollouts.append(
             {
                 "s": round(time.perf_counter() - t, 2),
-                "profiled": last,
+                "profiled": len(rollouts) == a.rollouts - 1,
                 "turns_per_episode": round(sum(len(t.turns) for t in trajs) / len(trajs), 2),
                 "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
             }
         )
         print("rollout", rollouts[-1], flush=True)
-        prof = prof_ctx or prof
+        return trajs
 
-    # the update of that rollout, as main() runs it (turn-grpo, no critic, one optimizer step)
-    scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)
-    kept = fl.filter_groups(scores, args.keep_ratio, args.filter_mode)
-    kept_trajs = [trajs[g * n + j] for g in kept.tolist() for j in range(n)]
-    rows = fl.training_rows(kept_trajs, args.max_context_turns)
-    batch = fl.collate(rows, tok.pad_token_id, "cpu")
-    mask = batch["loss_mask"]
-    old, _ = fl.old_logprobs(policy, None, None, batch, mask, args, False, contextlib.nullcontext())
-    per_turn = [[turn.reward for turn in t.turns] for t in kept_trajs]
-    values = [
-        v
-        for g in range(0, len(per_turn), n)
-        for v in common.turn_group_advantages(per_turn[g : g + n], args.gamma, args.norm_adv_by_std)
-    ]
-    advantages = fl.place_turn_values(rows, values, mask.shape[1]) * mask
-    inputs = dict(mask=mask, advantages=advantages, returns=None, **old)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    plan = common.micro_batch_plan(batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size)
-    update_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    t = time.perf_counter()
-    with update_prof:
-        fl.ppo_update(policy, None, None, opt, None, batch, inputs, args, torch.Generator().manual_seed(0),
-                      contextlib.nullcontext())  # fmt: skip
-    update = {
-        "s": round(time.perf_counter() - t, 2),
-        "rows": len(rows),
-        "padded_tokens": common.padded_tokens(plan, batch["first_len"], batch["rest_len"], batch["group"]),
-    }
+    def ppo_update(policy, critic, ref, opt, critic_opt, batch, inputs, args, generator, autocast):
+        t = time.perf_counter()
+        with profiled("update", len(rollouts) == a.rollouts):
+            out = real_update(policy, critic, ref, opt, critic_opt, batch, inputs, args, generator, autocast)
+        keys = (batch["first_len"], batch["rest_len"], batch["group"])
+        plan = common.micro_batch_plan(*keys, args.micro_batch_size)
+        update.update(s=round(time.perf_counter() - t, 2), rows=len(batch["rest_len"]),
+                      padded_tokens=common.padded_tokens(plan, *keys))  # fmt: skip
+        return out
+
+    flags = ["--steps", str(a.rollouts), "--eval-every", "0", "--val-size", "8", "--sample-every", "0"]
+    fl.rollout, fl.ppo_update = rollout, ppo_update
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            fl.main(flags + ["--output-dir", str(Path(tmp) / "run")])
+            config = json.loads((Path(tmp) / "run" / "config.json").read_text())
+    finally:
+        fl.rollout, fl.ppo_update = real_rollout, real_update
     print("update", update, flush=True)
 
     result = {
         "benchmark": "profile_step",
         "command": " ".join(["python bench/profile_step.py", *(argv or sys.argv[1:])]),
+        "script_flags": flags,
         "rollouts": rollouts,
-        "rollout_top_ops": top_ops(prof, a.top),
+        "rollout_top_ops": top_ops(profiles["rollout"], a.top),
         "update": update,
-        "update_top_ops": top_ops(update_prof, a.top),
-        "setup": {"threads": threads, "memory_kept": memory_kept, "torch": torch.__version__, "model": path},
+        "update_top_ops": top_ops(profiles["update"], a.top),
+        "setup": {"torch": torch.__version__, "model": config["model_path"], "precision": config["precision"]},
         "machine": harness.machine(load_start),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -147,8 +147,8 @@ def test_cpu_memory_runs_each_variant_on_the_same_episodes(tmp_path):
 
 
 def test_profile_step_lists_where_a_rollout_and_its_update_spend_their_time(tmp_path):
-    """bench/profile_step.py: a default FrozenLake rollout and its update under torch.profiler, the top operators
-    with their shares, the page faults of each rollout."""
+    """bench/profile_step.py: the default FrozenLake command's rollout and update under torch.profiler, the top
+    operators with their shares, the page faults of each rollout."""
     import profile_step
 
     out = tmp_path / "prof.json"

@@ -11,12 +11,12 @@ Three kinds of check, all of veRL's semantics (verl.trainer.ppo.core_algos; tole
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import math
+import os
 import random
 import statistics
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -1372,7 +1372,7 @@ def test_kept_freed_memory_is_reused_without_new_page_faults():
 def test_seed_everything_keeps_the_cpu_deterministic_without_filling_new_tensors():
     common.seed_everything(0, "cpu")
     assert torch.are_deterministic_algorithms_enabled()
-    assert torch.utils.deterministic.fill_uninitialized_memory is False  # a debugging aid, 3% of a step
+    assert torch.utils.deterministic.fill_uninitialized_memory is False  # a debugging aid, 2.5% of a step
 
 
 def test_resolve_precision_keeps_a_cpu_in_float32_unless_asked(monkeypatch):
