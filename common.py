@@ -535,8 +535,33 @@ def append_in_place_cache():
     return cache
 
 
+def decode_attention(query, key, value, mask=None, scale=None) -> torch.Tensor:
+    """Attention of one new token per row over its KV cache, as two batched matrix products with grouped-query heads.
+
+    query (B, H, 1, d); key, value (B, K, L, d) with H a multiple of K; mask (B or 1, 1, 1, L) bool, True = attend,
+    or None. Returns (B, H, 1, d); the scores and their softmax are float32. Used for bf16 decode steps on a CPU:
+    there torch's flash kernel (scaled_dot_product_attention) took 5-13 ms for one step of 64 rows x 300-700 cached
+    tokens, this 0.9-5.4 ms (float32's kernel: 1.4-2.9 ms). The keys are a view into append_in_place_cache's bigger
+    buffer; key @ q (not q @ key^T) lets the matrix product read that view as it is, without copying it first.
+    """
+    b, h, _, d = query.shape
+    k = key.shape[1]
+    q = query.reshape(b, k, h // k, d)  # (B, K, g, d): the g query heads that share key/value head K
+    scores = (key @ q.transpose(-1, -2)).transpose(-1, -2).float()  # (B, K, g, L)
+    scores = scores * (d**-0.5 if scale is None else scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, -1), float("-inf"))  # (B or 1, 1, 1, L)
+    return (scores.softmax(-1).to(value.dtype) @ value).reshape(b, h, 1, d)  # (B, H, 1, d)
+
+
 def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' sdpa attention, with grouped-query attention left to torch (enable_gqa) instead of repeat_kv."""
+    """transformers' sdpa attention, with grouped-query attention left to torch (enable_gqa) instead of repeat_kv.
+
+    A bf16 (or fp16) decode step goes to decode_attention instead: torch's CPU kernel is 2.4-5x slower there."""
+    decode = query.shape[2] == 1 and query.dtype != torch.float32 and dropout == 0.0
+    if decode and (attention_mask is None or attention_mask.dtype == torch.bool):
+        out = decode_attention(query, key, value, attention_mask, scaling)  # (B, H, 1, d)
+        return out.transpose(1, 2).contiguous(), None
     is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     groups = getattr(module, "num_key_value_groups", 1)
     out = torch.nn.functional.scaled_dot_product_attention(

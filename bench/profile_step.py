@@ -7,6 +7,7 @@ update. Prints and writes the operators that took the most time, self CPU.
 
     python bench/profile_step.py                                   # -> bench/results/profile_step.json
     python bench/profile_step.py --rollouts 1 --out /tmp/prof.json
+    python bench/profile_step.py --out /tmp/prof_bf16.json -- --precision bf16      # script flags after --
 
 torch.profiler adds its own cost to every operator (a profiled rollout runs slower than a plain one), so read the
 shares, not the seconds.
@@ -44,6 +45,9 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--top", type=int, default=12, help="operators listed")
     ap.add_argument("--out", default=str(harness.ROOT / "bench" / "results" / "profile_step.json"))
+    ap.add_argument(
+        "extra", nargs="*", help="extra flags for starpo_frozenlake.py (after --), e.g. -- --precision bf16"
+    )
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     load_start = os.getloadavg()
@@ -54,7 +58,7 @@ def main(argv=None) -> None:
     import starpo_frozenlake as fl
 
     rollouts, update, profiles = [], {}, {}
-    real_rollout, real_update = fl.rollout, fl.ppo_update
+    real_rollout, real_update, real_old = fl.rollout, fl.ppo_update, fl.old_logprobs
 
     def profiled(name: str, last: bool):
         if not last:
@@ -89,14 +93,20 @@ def main(argv=None) -> None:
                       padded_tokens=common.padded_tokens(plan, *keys))  # fmt: skip
         return out
 
-    flags = ["--steps", str(a.rollouts), "--eval-every", "0", "--val-size", "8", "--sample-every", "0"]
-    fl.rollout, fl.ppo_update = rollout, ppo_update
+    def old_logprobs(*args, **kwargs):
+        t = time.perf_counter()  # the log-prob pass before the update (reference, critic; none by default)
+        out = real_old(*args, **kwargs)
+        update["old_logprobs_s"] = round(time.perf_counter() - t, 2)
+        return out
+
+    flags = ["--steps", str(a.rollouts), "--eval-every", "0", "--val-size", "8", "--sample-every", "0", *a.extra]
+    fl.rollout, fl.ppo_update, fl.old_logprobs = rollout, ppo_update, old_logprobs
     try:
         with tempfile.TemporaryDirectory() as tmp:
             fl.main(flags + ["--output-dir", str(Path(tmp) / "run")])
             config = json.loads((Path(tmp) / "run" / "config.json").read_text())
     finally:
-        fl.rollout, fl.ppo_update = real_rollout, real_update
+        fl.rollout, fl.ppo_update, fl.old_logprobs = real_rollout, real_update, real_old
     print("update", update, flush=True)
 
     result = {

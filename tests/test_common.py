@@ -1402,6 +1402,68 @@ def test_busy_cores_elsewhere_does_not_count_this_process():
     assert busy < base + 0.5, (base, busy)  # counted as elsewhere, it would add about one core
 
 
+def _decode_case(dtype, batch=5, heads=4, kv_heads=2, length=37, d=16, spare=9):
+    """A decode step's inputs: keys and values as views into a bigger buffer (as append_in_place_cache keeps them),
+    and a padding mask that hides a different left margin in each row."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, 1, d, generator=gen).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, length + spare, d, generator=gen).to(dtype)[:, :, :length] for _ in "kv")
+    mask = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+    for row in range(batch):
+        mask[row, ..., : 3 * row] = False  # row 0 attends everywhere
+    return q, k, v, mask
+
+
+def test_decode_attention_equals_torch_sdpa_with_gqa_padding_and_views():
+    import torch.nn.functional as F
+
+    q, k, v, mask = _decode_case(torch.float32)
+    assert not k.is_contiguous()
+    for m in (mask, mask[:1], None):  # per-row mask, one mask for the batch, no mask
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        torch.testing.assert_close(common.decode_attention(q, k, v, m), want, atol=1e-6, rtol=0)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
+    torch.testing.assert_close(common.decode_attention(q, k, v, mask, scale=0.3), want, atol=1e-6, rtol=0)
+    # a masked column does not count: changing its key and value changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 0], v2[1, :, 0] = 1e4, -1e4
+    torch.testing.assert_close(common.decode_attention(q, k2, v2, mask), common.decode_attention(q, k, v, mask))
+    # bf16 inputs: float32 scores and softmax, within bf16's rounding of the float32 result
+    qb, kb, vb, _ = _decode_case(torch.bfloat16)
+    want = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), attn_mask=mask, enable_gqa=True)
+    got = common.decode_attention(qb, kb, vb, mask)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=0)
+
+
+def test_sdpa_gqa_sends_only_low_precision_decode_steps_to_decode_attention(monkeypatch):
+    import torch.nn.functional as F
+
+    class Module:
+        num_key_value_groups, is_causal = 2, True
+
+    calls = []
+    real = common.decode_attention
+    monkeypatch.setattr(common, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, mask = _decode_case(dtype)
+        out, _ = common._sdpa_gqa(Module(), q, k, v, mask, scaling=0.25)
+        want = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True, scale=0.25
+        )
+        if dtype == torch.float32:  # float32 keeps torch's kernel, bit for bit
+            assert torch.equal(
+                out,
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.25).transpose(1, 2),
+            )
+        torch.testing.assert_close(out.float(), want.transpose(1, 2), atol=2e-2, rtol=0)
+        assert out.shape == (q.shape[0], 1, q.shape[1], q.shape[3])
+    assert len(calls) == 1  # the bf16 step only
+    q, k, v, mask = _decode_case(torch.bfloat16)
+    common._sdpa_gqa(Module(), q.expand(-1, -1, 3, -1), k, v, None)  # a 3-token prefill keeps torch's kernel
+    assert len(calls) == 1
+
+
 def test_turn_cache_finds_the_longest_stored_strict_prefix_from_the_last_call_only():
     kv = lambda n: [(torch.full((1, n, 2), float(n)), torch.full((1, n, 2), -float(n)))]  # noqa: E731
     c = common.TurnCache()
