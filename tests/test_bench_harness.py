@@ -148,15 +148,33 @@ def test_cpu_memory_runs_each_variant_on_the_same_episodes(tmp_path):
 
 def test_profile_step_lists_where_a_rollout_and_its_update_spend_their_time(tmp_path):
     """bench/profile_step.py: the default FrozenLake command's rollout and update under torch.profiler, the top
-    operators with their shares, the page faults of each rollout."""
+    operators with their shares, the page faults of each rollout; script flags after -- reach the script."""
     import profile_step
 
     out = tmp_path / "prof.json"
-    profile_step.main(["--rollouts", "1", "--top", "3", "--out", str(out)])
+    profile_step.main(["--rollouts", "1", "--top", "3", "--out", str(out), "--", "--precision", "bf16"])
     r = json.loads(out.read_text())
+    assert r["setup"]["precision"] == "bf16" and r["script_flags"][-2:] == ["--precision", "bf16"]
+    assert r["update"]["old_logprobs_s"] >= 0
     assert [x["profiled"] for x in r["rollouts"]] == [True] and r["rollouts"][0]["turns_per_episode"] >= 1
     for part in ("rollout_top_ops", "update_top_ops"):
         ops = r[part]
         assert len(ops) == 3 and all(0 < o["share"] <= 1 and o["calls"] > 0 for o in ops)
         assert [o["self_s"] for o in ops] == sorted((o["self_s"] for o in ops), reverse=True)
     assert r["update"]["rows"] == 32 and r["update"]["padded_tokens"] > 0  # half of 8 groups of 8 kept
+
+
+def test_decode_attention_bench_times_both_kernels_in_both_dtypes(tmp_path):
+    """bench/decode_attention.py: torch's kernel and common.decode_attention, float32 and bf16, each close to the
+    float32 reference."""
+    import decode_attention
+
+    out = tmp_path / "dec.json"
+    decode_attention.main(["--rows", "4", "--lengths", "20,40", "--reps", "2", "--out", str(out)])
+    r = json.loads(out.read_text())
+    got = {(x["dtype"], x["cached_tokens"], x["variant"]) for x in r["results"]}
+    assert got == {
+        (d, n, v) for d in ("float32", "bfloat16") for n in (20, 40) for v in ("torch_sdpa", "decode_attention")
+    }
+    for x in r["results"]:
+        assert x["ms_per_call"] > 0 and x["max_abs_diff"] < (1e-5 if x["dtype"] == "float32" else 3e-2)
