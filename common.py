@@ -540,8 +540,8 @@ def decode_attention(query, key, value, mask=None, scale=None) -> torch.Tensor:
 
     query (B, H, 1, d); key, value (B, K, L, d) with H a multiple of K; mask (B or 1, 1, 1, L) bool, True = attend,
     or None. Returns (B, H, 1, d); the scores and their softmax are float32. Used for bf16 decode steps on a CPU:
-    there torch's flash kernel (scaled_dot_product_attention) took 5.2-12.6 ms for one step of 64 rows x 300-700
-    cached tokens, this 0.9-4.7 ms (float32's kernel: 1.5-3.9 ms; bench/decode_attention.py). The keys and values are views into append_in_place_cache's
+    there torch's flash kernel (scaled_dot_product_attention) took 4.6-10.6 ms for one step of 64 rows x 300-700
+    cached tokens, this 0.8-2.1 ms (float32's kernel: 1.0-2.2 ms; bench/decode_attention.py). The keys and values are views into append_in_place_cache's
     bigger buffer, and a bf16 matrix product copies such a view into a contiguous block first (what is left of a bf16
     rollout is mostly those copies); key @ q measured faster than q @ key^T here.
     """

@@ -5,7 +5,9 @@ A decode step attends from one new token per row over the row's KV cache. Shapes
 buffer with spare room, as append_in_place_cache keeps them, and a padding mask hides a few columns. For each dtype
 and cache length: milliseconds per call of torch.nn.functional.scaled_dot_product_attention (what "sdpa_gqa" calls
 for float32) and of common.decode_attention (what it calls for a bf16 decode step), and the largest difference of
-each from a float32 reference. The scripts send only bf16 (and fp16) decode steps to decode_attention.
+each from a float32 reference. The scripts send only bf16 (and fp16) decode steps to decode_attention. For scale,
+the machine's memory read rate (x.sum() over 512 MB of float32) and each call's rate over the bytes of its keys and
+values: a decode step reads every cached key and value once, so that rate is its ceiling.
 
     python bench/decode_attention.py                           # -> bench/results/decode_attention.json
     python bench/decode_attention.py --reps 5 --out /tmp/d.json
@@ -43,6 +45,14 @@ def main(argv=None) -> None:
         "torch_sdpa": lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
         "decode_attention": common.decode_attention,
     }
+    big = torch.ones(2**27)  # 512 MB of float32
+    big.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    read_gb_s = round(5 * big.numel() * 4 / (time.perf_counter() - t) / 1e9, 1)
+    del big
+    print(f"memory read: {read_gb_s} GB/s", flush=True)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for length in lengths:
@@ -61,8 +71,10 @@ def main(argv=None) -> None:
                 for _ in range(a.reps):
                     out = fn(q, k, v, mask)
                 ms = (time.perf_counter() - t) / a.reps * 1e3
+                kv_bytes = 2 * k.numel() * k.element_size()  # the keys and values a call must read
                 row = {"dtype": str(dtype).replace("torch.", ""), "cached_tokens": length, "variant": name,
-                       "ms_per_call": round(ms, 3), "max_abs_diff": float((out.float() - ref).abs().max())}  # fmt: skip
+                       "ms_per_call": round(ms, 3), "kv_gb_s": round(kv_bytes / ms / 1e6, 1),
+                       "max_abs_diff": float((out.float() - ref).abs().max())}  # fmt: skip
                 rows.append(row)
                 print(row, flush=True)
 
@@ -81,6 +93,7 @@ def main(argv=None) -> None:
             "threads": threads,
             "torch": torch.__version__,
         },  # fmt: skip
+        "memory_read_gb_s": read_gb_s,
         "results": rows,
         "cpu_bf16_flags": sorted(f for f in flags.split() if "bf16" in f or f.startswith("amx")),
         "machine": harness.machine(load_start),
