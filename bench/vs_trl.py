@@ -38,18 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402  (after the sys.path line, so `python bench/vs_trl.py` works)
 import starpo_bandit as sb  # noqa: E402
+import plumbing.engine  # noqa: E402
+import plumbing.run  # noqa: E402
+import plumbing.tiny  # noqa: E402
 
 # The training environment both sides use: starpo_bandit's defaults (Phoenix 0.15, Dragon 1.0 w.p. 0.25).
 _DEFAULT_ARGS = sb.Args()
-ENV_KWARGS = dict(
-    low_name=_DEFAULT_ARGS.low_arm_name,
-    high_name=_DEFAULT_ARGS.high_arm_name,
-    low_reward=_DEFAULT_ARGS.low_arm_reward,
-    high_reward=_DEFAULT_ARGS.high_arm_reward,
-    high_prob=_DEFAULT_ARGS.high_arm_prob,
-)
+ENV_KWARGS = dict(low_name=_DEFAULT_ARGS.low_arm_name, high_name=_DEFAULT_ARGS.high_arm_name)  # BanditEnv's payouts
 
 
 ########################################################################################################################
@@ -337,7 +333,7 @@ def evaluate_model(model_dir: str, tok_dir: str, val_size: int, max_tokens: int,
     )
 
     def generate(prompts, temperature):
-        return sb.hf_generate(model, tok, prompts, temperature, 1.0, max_tokens, args.gen_batch_size)
+        return plumbing.engine.hf_generate(model, tok, prompts, temperature, 1.0, max_tokens)
 
     torch.manual_seed(seed)
     t0 = time.time()
@@ -357,7 +353,7 @@ def generation_throughput(
     import torch
 
     model, tok = load(model_dir)
-    stops = sb.stop_token_ids(tok)
+    stops = plumbing.engine.stop_token_ids(tok)
     env = sb.BanditEnv(**ENV_KWARGS)
     prompts = []
     for s in range(n_prompts):
@@ -373,7 +369,7 @@ def generation_throughput(
         attn[i, width - len(p) :] = 1
 
     def run_hf():
-        replies = sb.hf_generate(model, tok, prompts, 1.0, 1.0, max_tokens, len(prompts))
+        replies = plumbing.engine.hf_generate(model, tok, prompts, 1.0, 1.0, max_tokens, len(prompts))
         return sum(len(ids) for ids, _ in replies)
 
     @torch.no_grad()
@@ -459,7 +455,7 @@ def write_result(out: dict, path: Path, t_bench: float, load_at_start: list, qui
 
 def newest_model_dir(run_dir: Path) -> Path:
     """The policy of a starpo_bandit run's newest checkpoint."""
-    ckpt = common.latest_checkpoint(run_dir)
+    ckpt = plumbing.run.latest_checkpoint(run_dir)
     if ckpt is None:
         sys.exit(f"no checkpoint under {run_dir}")
     return ckpt / "policy"
@@ -512,8 +508,6 @@ def main(argv=None):
     if a.trl_worker:
         return trl_worker(a.trl_worker)
 
-    import common
-
     t_bench = time.time()
     load_at_start = [round(x, 2) for x in os.getloadavg()]
     settings = matched_settings(a.steps, a.n_groups, a.group_size, a.max_tokens, a.lr, a.val_size, a.seed)
@@ -521,7 +515,7 @@ def main(argv=None):
     work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
     try:
         # ---- the model both sides start from: the embedded tiny model after its format warm-up ----------------------
-        cached = common.build_tiny_model(
+        cached = plumbing.tiny.build_tiny_model(
             "bandit", sb.tiny_warmup_examples([(ENV_KWARGS["low_name"], ENV_KWARGS["high_name"])])
         )
         export_dir = work / "tiny-bandit-export"

@@ -6,7 +6,7 @@ import json
 import shutil
 import sys
 
-import common
+import plumbing.tiny
 import starpo_frozenlake as fl
 from conftest import ROOT, run_script_file
 
@@ -79,7 +79,7 @@ def test_the_recipe_trains_a_new_environment_for_one_step(tmp_path):
     folder = tmp_path / "fork"
     folder.mkdir()
     make_corridor_script(folder)
-    model = common.build_tiny_model(
+    model = plumbing.tiny.build_tiny_model(
         "frozenlake", fl.tiny_warmup_examples(fl.Args(**fl.PRESETS["tiny"])), **fl.TINY_BUILD
     )  # cached
     out = tmp_path / "run"

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 import common
+import plumbing.engine
+import plumbing.run
+import plumbing.tiny
 import starpo_bandit as sb
 from conftest import ROOT, run_script_file
 
@@ -167,8 +170,8 @@ def test_weight_zero_logs_but_does_not_count(monkeypatch):
 def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = common.build_tiny_model("bandit", sb.tiny_warmup_examples([("Phoenix", "Dragon")]))
-    attn = common.attention_implementation("cpu")  # what the script loads on a CPU
+    path = plumbing.tiny.build_tiny_model("bandit", sb.tiny_warmup_examples([("Phoenix", "Dragon")]))
+    attn = plumbing.engine.attention_implementation("cpu")  # what the script loads on a CPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     return model.eval(), AutoTokenizer.from_pretrained(path)
 
@@ -196,7 +199,7 @@ def test_generation_logprobs_match_update_pass(tiny):
         for s in range(4)
     ]
     prompts = [full[0], full[1][9:], full[2][3:], full[3], full[0]]  # ragged lengths force left padding
-    replies = sb.hf_generate(model, tok, prompts, 0.7, 1.0, 24, 64)
+    replies = plumbing.engine.hf_generate(model, tok, prompts, 0.7, 1.0, 24, 64)
     trajs = [sb.Trajectory(0, p, r, lp, None, 0.0, {}) for p, (r, lp) in zip(prompts, replies)]
     batch = sb.collate(trajs, tok.pad_token_id, "cpu")
     with torch.no_grad():
@@ -398,9 +401,9 @@ def test_smoke_two_steps(algo, estimator, tmp_path):
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert EXPECTED_KEYS <= set(rows[1]), EXPECTED_KEYS - set(rows[1])
     assert {"val/success", "val/reward"} <= set(rows[0]) and {"val/success", "val/reward"} <= set(rows[2])
-    ckpt = common.latest_checkpoint(tmp_path)
+    ckpt = plumbing.run.latest_checkpoint(tmp_path)
     assert ckpt.name == "step-000002"
-    state = common.load_checkpoint_state(ckpt)
+    state = plumbing.run.load_checkpoint_state(ckpt)
     if estimator == "gae":
         assert "critic/vf_loss" in rows[1] and "critic" in state
     else:
@@ -462,7 +465,7 @@ def test_append_in_place_cache_matches_transformers_dynamic_cache(tiny):
     ids = torch.randint(5, model.config.vocab_size, (2, 7), generator=gen)
     steps = torch.randint(5, model.config.vocab_size, (3, 20), generator=gen)
     outs = []
-    for cache in (DynamicCache(), common.append_in_place_cache()):
+    for cache in (DynamicCache(), plumbing.engine.append_in_place_cache()):
         with torch.no_grad():
             logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits]
             cache.batch_select_indices(torch.tensor([0, 1, 1]))
@@ -475,7 +478,7 @@ def test_append_in_place_cache_matches_transformers_dynamic_cache(tiny):
 
 
 def test_bf16_decode_steps_match_transformers_sdpa(tiny):
-    """A bf16 model on a CPU (--precision bf16's sampler) decodes with common.decode_attention instead of torch's flash
+    """A bf16 model on a CPU (--precision bf16's sampler) decodes with plumbing.engine.decode_attention instead of torch's flash
     kernel: the same logits as transformers' own sdpa attention, up to bf16 rounding, over a left-padded prefill
     and steps that grow the cache."""
     import copy
@@ -487,10 +490,10 @@ def test_bf16_decode_steps_match_transformers_sdpa(tiny):
     attn[1, :4] = 0  # row 1 is left-padded
     steps = torch.randint(5, model.config.vocab_size, (3, 12), generator=gen)
     outs = []
-    for impl in (common.attention_implementation("cpu"), "sdpa"):
+    for impl in (plumbing.engine.attention_implementation("cpu"), "sdpa"):
         m = copy.deepcopy(model).to(torch.bfloat16)
         m.set_attn_implementation(impl)
-        cache, mask, logits = common.append_in_place_cache(), attn, []
+        cache, mask, logits = plumbing.engine.append_in_place_cache(), attn, []
         with torch.no_grad():
             for t in range(-1, steps.shape[1]):
                 x = ids if t < 0 else steps[:, t : t + 1]

@@ -1,6 +1,7 @@
 """Reliability of starpo_bandit.py: determinism, checkpoints and resume, numerical guards, degenerate batches,
 hostile model output, bad input, safety."""
 
+import dataclasses
 import json
 import math
 import re
@@ -15,9 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import common
+import plumbing.engine
+import plumbing.run
 import starpo_bandit as sb
-from report import read_jsonl
+from plumbing.report import read_jsonl
 from conftest import ROOT
 
 SMALL = [
@@ -123,7 +125,7 @@ def test_sigint_checkpoints_at_the_step_boundary_and_resumes(reference_run, tmp_
     out, err = p.communicate(timeout=600)
     assert p.returncode == 130, err[-2000:]  # stopped after the step in progress, never finished first
     assert "--resume" in out + err
-    assert common.latest_checkpoint(tmp_path) is not None
+    assert plumbing.run.latest_checkpoint(tmp_path) is not None
     rc, _, err = run("--resume", "--output-dir", str(tmp_path))
     assert rc == 0, err[-2000:]
     assert metrics(tmp_path) == metrics(reference_run)
@@ -150,26 +152,26 @@ def test_torn_and_partial_checkpoints_are_skipped(reference_run, tmp_path, capsy
     import shutil
 
     shutil.copytree(reference_run / "checkpoints", tmp_path / "checkpoints")
-    good = common.latest_checkpoint(tmp_path)
+    good = plumbing.run.latest_checkpoint(tmp_path)
     torn = tmp_path / "checkpoints" / "step-000099"
     shutil.copytree(good, torn)
     (torn / "state.pt").write_bytes(b"not a checkpoint")  # torn write
     partial = tmp_path / "checkpoints" / "step-000098"
     shutil.copytree(good, partial)
     (partial / "COMPLETE").unlink()  # crashed before the end
-    assert common.latest_checkpoint(tmp_path) == good
+    assert plumbing.run.latest_checkpoint(tmp_path) == good
     err = capsys.readouterr().err
     assert "step-000099" in err and "step-000098" in err
 
 
-def test_keep_checkpoints_prunes_old_ones(reference_run):
+def test_only_the_newest_two_checkpoints_are_kept(reference_run):
     assert sorted(p.name for p in (reference_run / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
 
 
 def test_truncate_jsonl_drops_later_steps_and_torn_lines(tmp_path):
     f = tmp_path / "m.jsonl"
     f.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "x": ')
-    common.truncate_jsonl(f, 1)
+    plumbing.run.truncate_jsonl(f, 1)
     assert read_jsonl(f) == [{"step": 0}, {"step": 1}]
 
 
@@ -197,7 +199,7 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["actor/skipped_updates"] >= 1 for r in rows[1:])
     # the skipped updates never touched the weights: the checkpoint still equals the initial model
-    ckpt = common.latest_checkpoint(tmp_path)
+    ckpt = plumbing.run.latest_checkpoint(tmp_path)
     assert ckpt.name == "step-000001"
     from transformers import AutoModelForCausalLM
 
@@ -217,13 +219,13 @@ def test_every_group_zero_std(tmp_path, monkeypatch):
 
 
 def test_empty_replies(tmp_path, monkeypatch):
-    real = sb.hf_generate
+    real = plumbing.engine.hf_generate
 
     def some_empty(model, tok, prompts, *a, **k):
         out = real(model, tok, prompts, *a, **k)
         return [([], []) if i % 2 else r for i, r in enumerate(out)]
 
-    monkeypatch.setattr(sb, "hf_generate", some_empty)
+    monkeypatch.setattr(plumbing.engine, "hf_generate", some_empty)
     rows = in_process(tmp_path, "--steps", "2")
     assert all(math.isfinite(r["actor/pg_loss"]) and r["train/action_is_valid"] <= 0.5 for r in rows[1:])
 
@@ -248,7 +250,7 @@ def weights_after(tmp_path, *flags):
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(json.loads((tmp_path / "config.json").read_text())["model_path"])
-    saved = AutoModelForCausalLM.from_pretrained(common.latest_checkpoint(tmp_path) / "policy")
+    saved = AutoModelForCausalLM.from_pretrained(plumbing.run.latest_checkpoint(tmp_path) / "policy")
     return [torch.equal(a, b) for a, b in zip(init.state_dict().values(), saved.state_dict().values())]
 
 
@@ -352,10 +354,10 @@ def test_readme_bad_flag_table(flags, message, tmp_path):
 # ---- safety ------------------------------------------------------------------------------------------------------
 
 
-def test_no_eval_or_exec_and_no_remote_code_by_default():
-    for path in [ROOT / "common.py", *ROOT.glob("starpo_*.py")]:
+def test_no_eval_or_exec_and_no_remote_code():
+    """Model text is never run, and neither is a model's own Python code: no flag turns trust_remote_code on."""
+    for path in [ROOT / "common.py", *ROOT.glob("starpo_*.py"), *ROOT.glob("plumbing/*.py")]:
         src = path.read_text()
         assert not re.search(r"(?<![.\w])(eval|exec)\s*\(", src), f"{path.name} calls eval/exec"
-        assert "trust_remote_code=True" not in src, path.name
-        for call in re.findall(r"from_pretrained\([^\n]*", src):  # every load says whether remote code may run
-            assert "trust_remote_code=" in call, (path.name, call)
+        assert set(re.findall(r"trust_remote_code=(\w+)", src)) <= {"False"}, path.name
+    assert not any(f.name == "trust_remote_code" for f in dataclasses.fields(sb.Args))

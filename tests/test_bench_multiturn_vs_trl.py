@@ -6,7 +6,9 @@ import sys
 
 import torch
 
-import common
+import plumbing.engine
+import plumbing.flags
+import plumbing.tiny
 import starpo_frozenlake as fl
 from conftest import ROOT
 
@@ -37,8 +39,10 @@ def test_trl_settings_are_the_scripts(tmp_path):
 def test_model_generate_replies_end_at_their_stop_token(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    a = fl.resolve_args(common.parse_args(fl.Args, ["--model", "tiny", "--output-dir", str(tmp_path / "run")]))[0]
-    path = common.build_tiny_model(fl.TASK, fl.tiny_warmup_examples(a), **fl.TINY_BUILD)
+    a = fl.resolve_args(plumbing.flags.parse_args(fl.Args, ["--model", "tiny", "--output-dir", str(tmp_path / "run")]))[
+        0
+    ]
+    path = plumbing.tiny.build_tiny_model(fl.TASK, fl.tiny_warmup_examples(a), **fl.TINY_BUILD)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     text = tok.apply_chat_template(
         fl.first_messages(fl.make_env(a).reset(5), a), add_generation_prompt=True, tokenize=False
@@ -46,7 +50,7 @@ def test_model_generate_replies_end_at_their_stop_token(tmp_path):
     prompt = tok(text, add_special_tokens=False)["input_ids"]
     torch.manual_seed(0)
     replies = mt.model_generate(model, tok, a)([prompt, prompt[3:]], 1.0)
-    stops = fl.stop_token_ids(tok)
+    stops = plumbing.engine.stop_token_ids(tok)
     for ids, logps in replies:
         assert 1 <= len(ids) == len(logps) <= a.max_tokens
         assert all(t not in stops for t in ids[:-1]) and all(lp <= 0 for lp in logps)

@@ -12,6 +12,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 import tiny_probe  # noqa: E402
+import plumbing.tiny
 
 
 def test_frozenlake_labels_step_onto_a_shortest_path():
@@ -107,9 +108,8 @@ def test_probe_runs_and_writes_its_result(tmp_path):
 
 def test_world_probe_scores_a_given_model_against_the_outcomes_think():
     """--world --outcomes --model DIR: the think's facts are the Moves line's four words, one per move."""
-    import common
 
-    path = common.build_tiny_model(
+    path = plumbing.tiny.build_tiny_model(
         "frozenlake", fl.tiny_warmup_examples(fl.Args(**fl.PRESETS["tiny"])), **fl.TINY_BUILD
     )  # shipped
     r = tiny_probe.world_probe("frozenlake", 4, 0, outcomes=True, model_dir=str(path))

@@ -24,6 +24,11 @@ import pytest
 import torch
 
 import common
+import plumbing.cpu
+import plumbing.engine
+import plumbing.flags
+import plumbing.forward
+import plumbing.tiny
 from common import (
     agg_loss,
     entropy_from_logits,
@@ -1038,7 +1043,7 @@ def test_value_loss_gradient_clipped_when_clipped_error_larger():
 
 
 def test_sft_batch_right_pads_and_trains_only_the_reply():
-    input_ids, labels, attn = common.sft_batch([([5, 6, 7, 8], 2), ([9, 10], 1)], pad_id=0)
+    input_ids, labels, attn = plumbing.tiny.sft_batch([([5, 6, 7, 8], 2), ([9, 10], 1)], pad_id=0)
     assert input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
     assert labels.tolist() == [[-100, -100, 7, 8], [-100, 10, -100, -100]]  # prompt and padding ignored
     assert attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
@@ -1054,10 +1059,10 @@ def test_reading_strings_are_answered_by_copying_alone():
     followed the queried key), strings are drawn from the given vocabulary only, and the markers never occur in it."""
     rng, kinds = random.Random(0), set()
     for _ in range(500):
-        ids, mask = common.reading_sample(rng, VOCAB, SEP, ARROW)
-        assert len(ids) == len(mask) <= common.READING_LEN and sum(mask) > 0
+        ids, mask = plumbing.tiny.reading_sample(rng, VOCAB, SEP, ARROW)
+        assert len(ids) == len(mask) <= plumbing.tiny.READING_LEN and sum(mask) > 0
         assert all(t in VOCAB for t in ids if t not in (SEP, ARROW))
-        kind = common.reading_kind(ids, SEP, ARROW)
+        kind = plumbing.tiny.reading_kind(ids, SEP, ARROW)
         kinds.add(kind)
         if kind == "induction":  # random tokens; each trained token follows a key whose every occurrence it follows
             assert SEP not in ids and ARROW not in ids and mask[0] == 0
@@ -1077,9 +1082,10 @@ def test_reading_strings_are_answered_by_copying_alone():
             for j in range(cut + 1, len(ids), 3):
                 key, arrow, value = ids[j : j + 3]
                 assert arrow == ARROW and pairs[key] == value and mask[j : j + 3] == [0, 0, 1]
-    assert kinds == set(common.READING_KINDS)
+    assert kinds == set(plumbing.tiny.READING_KINDS)
     first_two = {
-        common.reading_kind(common.reading_sample(rng, VOCAB, SEP, ARROW, kinds=2)[0], SEP, ARROW) for _ in range(200)
+        plumbing.tiny.reading_kind(plumbing.tiny.reading_sample(rng, VOCAB, SEP, ARROW, kinds=2)[0], SEP, ARROW)
+        for _ in range(200)
     }
     assert first_two == {"copy", "recall"}  # the stage's first steps (READING_PLAIN): no induction strings yet
 
@@ -1098,7 +1104,9 @@ def test_sft_replay_rows_join_every_steps_gradient():
     for replay in (None, lambda: calls.append(1) or [([7, 8, 9], 1)]):
         torch.manual_seed(0)
         model = Toy()
-        common.sft(model, [([1, 2, 3], 1)], steps=4, batch_size=2, lr=0.1, pad_id=0, log=lambda _: None, replay=replay)
+        plumbing.tiny.sft(
+            model, [([1, 2, 3], 1)], steps=4, batch_size=2, lr=0.1, pad_id=0, log=lambda _: None, replay=replay
+        )
         weights[replay is None] = model.emb.weight.detach().clone()
     assert len(calls) == 4  # once a step
     assert torch.equal(weights[True][:8], weights[False][:8])  # the task rows' tokens moved alike
@@ -1116,7 +1124,7 @@ class _Reader(torch.nn.Module):
         logits = torch.zeros(*input_ids.shape, 64)
         for b, row in enumerate(input_ids.tolist()):
             n = int(attention_mask[b].sum())
-            kind = common.reading_kind(row[:n], SEP, ARROW)
+            kind = plumbing.tiny.reading_kind(row[:n], SEP, ARROW)
             cut = row.index(SEP) if kind != "induction" else 0
             for t in range(cut, n - 1):  # predict row[t + 1] from row[: t + 1]
                 if kind == "copy":
@@ -1131,38 +1139,44 @@ class _Reader(torch.nn.Module):
 
 
 def test_reading_probe_scores_a_perfect_copier_one_and_a_constant_model_zero():
-    assert common.reading_probe(_Reader(True), VOCAB, SEP, ARROW, n=16) == dict.fromkeys(common.READING_KINDS, 1.0)
-    assert common.reading_probe(_Reader(False), VOCAB, SEP, ARROW, n=16) == dict.fromkeys(common.READING_KINDS, 0.0)
+    assert plumbing.tiny.reading_probe(_Reader(True), VOCAB, SEP, ARROW, n=16) == dict.fromkeys(
+        plumbing.tiny.READING_KINDS, 1.0
+    )
+    assert plumbing.tiny.reading_probe(_Reader(False), VOCAB, SEP, ARROW, n=16) == dict.fromkeys(
+        plumbing.tiny.READING_KINDS, 0.0
+    )
 
 
 def test_a_reading_stage_changes_the_tiny_models_key_and_none_keeps_the_old_one():
-    base = common.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3)
+    base = plumbing.tiny.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3)
     assert "reading" not in base  # models built before the reading stage keep their names (and their shipped builds)
-    assert common.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3, reading_steps=0) == base
-    assert common.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3, reading_steps=1400)["reading"]["steps"] == 1400
+    assert plumbing.tiny.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3, reading_steps=0) == base
+    assert plumbing.tiny.tiny_recipe(0, 1024, 256, 4, 300, 8, 3e-3, reading_steps=1400)["reading"]["steps"] == 1400
     examples = [([{"role": "user", "content": "hi"}], "ok")]
-    assert common.tiny_model_name("t", examples, reading_steps=1400) != common.tiny_model_name("t", examples)
+    assert plumbing.tiny.tiny_model_name("t", examples, reading_steps=1400) != plumbing.tiny.tiny_model_name(
+        "t", examples
+    )
 
 
 def test_a_build_with_a_reading_stage_records_its_probe_before_and_after_the_task_warm_up(tmp_path, monkeypatch):
     """The build path itself, at a toy size: the reading stage runs, then the warm-up with reading strings replayed,
     and build_info.json says what each left (a probe per kind of string, 0 to 1)."""
     monkeypatch.setenv("STARPO_CACHE", str(tmp_path))
-    monkeypatch.setattr(common, "SHIPPED_TINY", tmp_path / "none")
+    monkeypatch.setattr(plumbing.tiny, "SHIPPED_TINY", tmp_path / "none")
     examples = [
         ([{"role": "user", "content": f"say {w}"}], f"<think> {w} </think> <answer> {w} </answer>") for w in "ab"
     ]
     lines = []
-    path = common.build_tiny_model(
+    path = plumbing.tiny.build_tiny_model(
         "t", examples, vocab_size=300, hidden_size=32, num_layers=1, sft_steps=3, sft_batch_size=2,
         reading_steps=10, log=lines.append,
     )  # fmt: skip
     probe = json.loads((path / "build_info.json").read_text())["reading_probe"]
-    assert set(probe) == {*common.READING_KINDS, "seconds", "after_warmup"}
-    assert set(probe["after_warmup"]) == set(common.READING_KINDS)
-    assert all(0.0 <= probe[k] <= 1.0 and 0.0 <= probe["after_warmup"][k] <= 1.0 for k in common.READING_KINDS)
+    assert set(probe) == {*plumbing.tiny.READING_KINDS, "seconds", "after_warmup"}
+    assert set(probe["after_warmup"]) == set(plumbing.tiny.READING_KINDS)
+    assert all(0.0 <= probe[k] <= 1.0 and 0.0 <= probe["after_warmup"][k] <= 1.0 for k in plumbing.tiny.READING_KINDS)
     assert sum("reading step" in line for line in lines) == 10  # a line every tenth of the stage
-    assert path.name == common.tiny_model_name(
+    assert path.name == plumbing.tiny.tiny_model_name(
         "t", examples, vocab_size=300, hidden_size=32, num_layers=1, sft_steps=3, sft_batch_size=2, reading_steps=10
     )
 
@@ -1171,22 +1185,22 @@ def test_a_second_build_reuses_the_reading_stage_and_ends_where_a_fresh_one_does
     """The reading stage draws random token ids, never what they spell: a second task's build whose tokenizer has as
     many ids reuses the first one's run (the log says so, build_info says "reused") and its model is the one a build
     in an empty cache makes, weight for weight."""
-    monkeypatch.setattr(common, "SHIPPED_TINY", tmp_path / "none")
+    monkeypatch.setattr(plumbing.tiny, "SHIPPED_TINY", tmp_path / "none")
     toy = dict(vocab_size=300, hidden_size=32, num_layers=1, sft_steps=3, sft_batch_size=2, reading_steps=10)
     say = lambda words: [  # noqa: E731
         ([{"role": "user", "content": f"say {w}"}], f"<think> {w} </think> <answer> {w} </answer>") for w in words
     ]
     monkeypatch.setenv("STARPO_CACHE", str(tmp_path / "shared"))
-    first = common.build_tiny_model("t", say("ab"), **toy, log=lambda line: None)
+    first = plumbing.tiny.build_tiny_model("t", say("ab"), **toy, log=lambda line: None)
     lines = []
-    second = common.build_tiny_model("u", say("cd"), **toy, log=lines.append)
+    second = plumbing.tiny.build_tiny_model("u", say("cd"), **toy, log=lines.append)
     vocab = lambda path: json.loads((path / "config.json").read_text())["vocab_size"]  # noqa: E731
     assert vocab(first) == vocab(second)  # same ids to draw from, so the same reading stage
     assert any("reading stage reused" in line for line in lines)
     assert not any("reading step" in line for line in lines)
     assert json.loads((second / "build_info.json").read_text())["reading_probe"]["reused"] is True
     monkeypatch.setenv("STARPO_CACHE", str(tmp_path / "fresh"))
-    fresh = common.build_tiny_model("u", say("cd"), **toy, log=lambda line: None)
+    fresh = plumbing.tiny.build_tiny_model("u", say("cd"), **toy, log=lambda line: None)
     from safetensors.torch import load_file
 
     a, b = load_file(second / "model.safetensors"), load_file(fresh / "model.safetensors")
@@ -1228,7 +1242,7 @@ def test_logprob_mismatch():
 
 
 def probe_in_subprocess(tmp_path, endpoint: str, model_id: str = "someorg/somemodel"):
-    """common.model_is_reachable(model_id) in a fresh interpreter (huggingface_hub reads its settings on import),
+    """plumbing.flags.model_is_reachable(model_id) in a fresh interpreter (huggingface_hub reads its settings on import),
     online, against `endpoint`, with an empty cache; returns (result, seconds the call took, stderr)."""
     import os
     import subprocess
@@ -1241,7 +1255,7 @@ def probe_in_subprocess(tmp_path, endpoint: str, model_id: str = "someorg/somemo
     code = (
         "import time, common\n"
         "t = time.perf_counter()\n"
-        f"ok = common.model_is_reachable({model_id!r})\n"
+        f"ok = plumbing.flags.model_is_reachable({model_id!r})\n"
         "print(ok, time.perf_counter() - t)\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
@@ -1296,20 +1310,24 @@ def test_model_is_reachable_downloads_the_config_from_a_hub(tmp_path):
 
 
 def test_thread_policy_yields_the_cores_other_processes_use(monkeypatch):
-    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(plumbing.cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     before = torch.get_num_threads()
     try:
-        assert common.thread_policy({}, lambda: 0.1).startswith("4 of 4 cores")  # idle: every core
-        assert common.thread_policy({}, lambda: 2.2).startswith("2 of 4 cores") and torch.get_num_threads() == 2
-        assert common.thread_policy({}, lambda: 7.5).startswith("1 of 4 cores")  # never fewer than one
-        assert common.thread_policy({}, lambda: None).startswith("4 of 4 cores")  # no /proc: torch's default count
-        assert common.thread_policy({"STARPO_THREADS": "3"}, lambda: 9.0) == "3 (STARPO_THREADS)"
+        assert plumbing.cpu.thread_policy({}, lambda: 0.1).startswith("4 of 4 cores")  # idle: every core
+        assert plumbing.cpu.thread_policy({}, lambda: 2.2).startswith("2 of 4 cores") and torch.get_num_threads() == 2
+        assert plumbing.cpu.thread_policy({}, lambda: 7.5).startswith("1 of 4 cores")  # never fewer than one
+        assert plumbing.cpu.thread_policy({}, lambda: None).startswith(
+            "4 of 4 cores"
+        )  # no /proc: torch's default count
+        assert plumbing.cpu.thread_policy({"STARPO_THREADS": "3"}, lambda: 9.0) == "3 (STARPO_THREADS)"
         torch.set_num_threads(2)
-        assert common.thread_policy({"OMP_NUM_THREADS": "2"}, lambda: 9.0) == "2 (as set by the environment)"
-        assert common.thread_policy({"STARPO_THREADS": "off"}, lambda: 9.0).endswith("(as set by the environment)")
+        assert plumbing.cpu.thread_policy({"OMP_NUM_THREADS": "2"}, lambda: 9.0) == "2 (as set by the environment)"
+        assert plumbing.cpu.thread_policy({"STARPO_THREADS": "off"}, lambda: 9.0).endswith(
+            "(as set by the environment)"
+        )
         assert torch.get_num_threads() == 2  # left alone
         with pytest.raises(SystemExit):
-            common.thread_policy({"STARPO_THREADS": "many"}, lambda: 0.0)
+            plumbing.cpu.thread_policy({"STARPO_THREADS": "many"}, lambda: 0.0)
     finally:
         torch.set_num_threads(before)
 
@@ -1328,19 +1346,19 @@ class FakeLibc:
 
 def test_keep_freed_memory_sets_glibc_malloc_unless_the_environment_does():
     libc = FakeLibc()
-    assert common.keep_freed_memory({}, libc) is True
+    assert plumbing.cpu.keep_freed_memory({}, libc) is True
     assert libc.calls == [(-4, 0), (-1, 2**31 - 1)]  # M_MMAP_MAX 0, then M_TRIM_THRESHOLD
     for var in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"):
         libc = FakeLibc()
-        assert common.keep_freed_memory({var: "65536"}, libc) is False and libc.calls == []  # yours wins
-    assert common.keep_freed_memory({}, object()) is False  # not glibc (macOS, musl): nothing to set
+        assert plumbing.cpu.keep_freed_memory({var: "65536"}, libc) is False and libc.calls == []  # yours wins
+    assert plumbing.cpu.keep_freed_memory({}, object()) is False  # not glibc (macOS, musl): nothing to set
 
 
 FAULTS = r"""
 import resource, sys, torch
 sys.path.insert(0, {root!r})
 import common
-kept = common.keep_freed_memory() if {keep} else False
+kept = plumbing.cpu.keep_freed_memory() if {keep} else False
 counts = []
 for _ in range(6):  # a 64 MB tensor written and freed, six times
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -1370,32 +1388,35 @@ def test_kept_freed_memory_is_reused_without_new_page_faults():
 
 
 def test_seed_everything_keeps_the_cpu_deterministic_without_filling_new_tensors():
-    common.seed_everything(0, "cpu")
+    plumbing.cpu.seed_everything(0, "cpu")
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.utils.deterministic.fill_uninitialized_memory is False  # a debugging aid, 2.5% of a step
 
 
 def test_resolve_precision_keeps_a_cpu_in_float32_unless_asked(monkeypatch):
-    assert common.resolve_precision("auto", "cpu") == "fp32"
-    assert common.resolve_precision("bf16", "cpu") == "bf16" and common.resolve_precision("fp32", "cuda") == "fp32"
+    assert plumbing.cpu.resolve_precision("auto", "cpu") == "fp32"
+    assert (
+        plumbing.cpu.resolve_precision("bf16", "cpu") == "bf16"
+        and plumbing.cpu.resolve_precision("fp32", "cuda") == "fp32"
+    )
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert common.resolve_precision("auto", "cuda") == "bf16"
+    assert plumbing.cpu.resolve_precision("auto", "cuda") == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # pre-Ampere GPUs
-    assert common.resolve_precision("auto", "cuda") == "fp32"
+    assert plumbing.cpu.resolve_precision("auto", "cuda") == "fp32"
 
 
 def test_busy_cores_elsewhere_does_not_count_this_process():
     """A thread of our own spinning during the measurement must not show up as another process's load."""
     import threading
 
-    base = common.busy_cores_elsewhere(0.3)
+    base = plumbing.cpu.busy_cores_elsewhere(0.3)
     if base is None:
         pytest.skip("no /proc/stat here")
     stop = threading.Event()
     spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: stop.is_set(), True)])
     spinner.start()
     try:
-        busy = common.busy_cores_elsewhere(0.3)
+        busy = plumbing.cpu.busy_cores_elsewhere(0.3)
     finally:
         stop.set()
         spinner.join()
@@ -1421,17 +1442,19 @@ def test_decode_attention_equals_torch_sdpa_with_gqa_padding_and_views():
     assert not k.is_contiguous()
     for m in (mask, mask[:1], None):  # per-row mask, one mask for the batch, no mask
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
-        torch.testing.assert_close(common.decode_attention(q, k, v, m), want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(plumbing.engine.decode_attention(q, k, v, m), want, atol=1e-6, rtol=0)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
-    torch.testing.assert_close(common.decode_attention(q, k, v, mask, scale=0.3), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(plumbing.engine.decode_attention(q, k, v, mask, scale=0.3), want, atol=1e-6, rtol=0)
     # a masked column does not count: changing its key and value changes nothing
     k2, v2 = k.clone(), v.clone()
     k2[1, :, 0], v2[1, :, 0] = 1e4, -1e4
-    torch.testing.assert_close(common.decode_attention(q, k2, v2, mask), common.decode_attention(q, k, v, mask))
+    torch.testing.assert_close(
+        plumbing.engine.decode_attention(q, k2, v2, mask), plumbing.engine.decode_attention(q, k, v, mask)
+    )
     # bf16 inputs: float32 scores and softmax, within bf16's rounding of the float32 result
     qb, kb, vb, _ = _decode_case(torch.bfloat16)
     want = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), attn_mask=mask, enable_gqa=True)
-    got = common.decode_attention(qb, kb, vb, mask)
+    got = plumbing.engine.decode_attention(qb, kb, vb, mask)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=0)
 
@@ -1443,11 +1466,11 @@ def test_sdpa_gqa_sends_only_low_precision_decode_steps_to_decode_attention(monk
         num_key_value_groups, is_causal = 2, True
 
     calls = []
-    real = common.decode_attention
-    monkeypatch.setattr(common, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = plumbing.engine.decode_attention
+    monkeypatch.setattr(plumbing.engine, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, mask = _decode_case(dtype)
-        out, _ = common._sdpa_gqa(Module(), q, k, v, mask, scaling=0.25)
+        out, _ = plumbing.engine._sdpa_gqa(Module(), q, k, v, mask, scaling=0.25)
         want = F.scaled_dot_product_attention(
             q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True, scale=0.25
         )
@@ -1460,13 +1483,13 @@ def test_sdpa_gqa_sends_only_low_precision_decode_steps_to_decode_attention(monk
         assert out.shape == (q.shape[0], 1, q.shape[1], q.shape[3])
     assert len(calls) == 1  # the bf16 step only
     q, k, v, mask = _decode_case(torch.bfloat16)
-    common._sdpa_gqa(Module(), q.expand(-1, -1, 3, -1), k, v, None)  # a 3-token prefill keeps torch's kernel
+    plumbing.engine._sdpa_gqa(Module(), q.expand(-1, -1, 3, -1), k, v, None)  # a 3-token prefill keeps torch's kernel
     assert len(calls) == 1
 
 
 def test_turn_cache_finds_the_longest_stored_strict_prefix_from_the_last_call_only():
     kv = lambda n: [(torch.full((1, n, 2), float(n)), torch.full((1, n, 2), -float(n)))]  # noqa: E731
-    c = common.TurnCache()
+    c = plumbing.engine.TurnCache()
     for ids in ([1, 2, 3], [1, 2, 3, 4, 5], [9] * 10):
         c.put(ids, kv(len(ids)))
     c.commit()
@@ -1485,13 +1508,13 @@ def test_turn_cache_finds_the_longest_stored_strict_prefix_from_the_last_call_on
 
 def test_cache_from_rows_left_pads_each_past_and_masks_the_padding():
     kv = lambda n: [(torch.full((2, n, 3), 1.0 + n), torch.full((2, n, 3), -1.0 - n))]  # noqa: E731
-    cache, mask = common.cache_from_rows([(2, kv(2)), (0, None), (4, kv(4))], "cpu")
+    cache, mask = plumbing.engine.cache_from_rows([(2, kv(2)), (0, None), (4, kv(4))], "cpu")
     assert mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
     keys, values = cache.layers[0].keys, cache.layers[0].values
     assert keys.shape == (3, 2, 4, 3) and cache.get_seq_length() == 4
     assert keys[0, :, :2].abs().sum() == 0 and (keys[0, :, 2:] == 3.0).all() and (values[2] == -5.0).all()
     assert keys[1].abs().sum() == 0
-    empty, no_mask = common.cache_from_rows([(0, None)] * 2, "cpu")
+    empty, no_mask = plumbing.engine.cache_from_rows([(0, None)] * 2, "cpu")
     assert no_mask.shape == (2, 0) and empty.get_seq_length() == 0
 
 
@@ -1501,13 +1524,13 @@ def test_cache_from_rows_left_pads_each_past_and_masks_the_padding():
 
 
 def _plan_cost(plan, first, rest, group, overhead):
-    return common.padded_tokens(plan, first, rest, group) + overhead * len(plan)
+    return plumbing.forward.padded_tokens(plan, first, rest, group) + overhead * len(plan)
 
 
 def test_padded_tokens_counts_each_prompt_once_and_pads_each_rest():
     first, rest, group = [200, 200, 210], [40, 300, 45], [0, 0, 1]
-    assert common.padded_tokens([torch.tensor([0, 1, 2])], first, rest, group) == 2 * 210 + 3 * 300
-    assert common.padded_tokens([torch.tensor([0, 2]), torch.tensor([1])], first, rest, group) == (
+    assert plumbing.forward.padded_tokens([torch.tensor([0, 1, 2])], first, rest, group) == 2 * 210 + 3 * 300
+    assert plumbing.forward.padded_tokens([torch.tensor([0, 2]), torch.tensor([1])], first, rest, group) == (
         2 * 210 + 2 * 45 + 200 + 300
     )
 
@@ -1535,7 +1558,7 @@ def test_micro_batch_plan_is_a_cheapest_partition(seed, max_rows):
     group = [rng.randrange(3) for _ in range(n)]
     first = [[200, 210, 190][g] for g in group]  # a group shares its first prompt
     rest = [rng.choice([40, 45, 170, 300, 310, 570]) for _ in range(n)]
-    plan = common.micro_batch_plan(torch.tensor(first), rest, group, max_rows, overhead=64)
+    plan = plumbing.forward.micro_batch_plan(torch.tensor(first), rest, group, max_rows, overhead=64)
     rows = sorted(i for p in plan for i in p.tolist())
     assert rows == list(range(n))  # every row exactly once
     assert all(1 <= len(p) <= max_rows and p.dtype == torch.long for p in plan)
@@ -1544,10 +1567,10 @@ def test_micro_batch_plan_is_a_cheapest_partition(seed, max_rows):
 
 
 def test_micro_batch_plan_splits_ragged_rows_and_keeps_even_ones_together():
-    even = common.micro_batch_plan([200] * 16, [40] * 16, [i // 8 for i in range(16)], 32)
+    even = plumbing.forward.micro_batch_plan([200] * 16, [40] * 16, [i // 8 for i in range(16)], 32)
     assert [len(p) for p in even] == [16]  # the bandit's case: one pass, as before
     ragged = [40] * 7 + [300] * 6 + [570] * 3  # a multi-turn batch: one turn played, three, five
-    plan = common.micro_batch_plan([205] * 16, ragged, [i % 2 for i in range(16)], 32)
+    plan = plumbing.forward.micro_batch_plan([205] * 16, ragged, [i % 2 for i in range(16)], 32)
     assert [len(p) for p in plan] == [7, 6, 3]
     assert _plan_cost(plan, [205] * 16, ragged, [i % 2 for i in range(16)], 64) < 2 * 205 + 16 * 570 + 64
-    assert common.micro_batch_plan([], [], [], 4) == []
+    assert plumbing.forward.micro_batch_plan([], [], [], 4) == []

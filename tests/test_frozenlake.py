@@ -17,7 +17,12 @@ import pytest
 import torch
 
 import common
-import report
+import plumbing.engine
+import plumbing.flags
+import plumbing.forward
+import plumbing.run
+import plumbing.tiny
+from plumbing import report
 import starpo_frozenlake as fl
 from conftest import TURN_RECORD_KEYS, FakeTok, run_script_file, scripted
 
@@ -26,7 +31,9 @@ UNUSED_DIR = str(Path(tempfile.gettempdir()) / "frozenlake-test-args-never-writt
 
 
 def args_for(*flags) -> fl.Args:
-    return fl.resolve_args(common.parse_args(fl.Args, ["--model", "tiny", "--output-dir", UNUSED_DIR, *flags]))[0]
+    return fl.resolve_args(plumbing.flags.parse_args(fl.Args, ["--model", "tiny", "--output-dir", UNUSED_DIR, *flags]))[
+        0
+    ]
 
 
 def test_the_tiny_preset_beats_the_default_algorithm_and_a_typed_one_beats_the_preset():
@@ -478,12 +485,12 @@ def test_dp_baselines_on_the_evaluation_maps():
 def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = common.build_tiny_model("frozenlake", fl.tiny_warmup_examples(args_for()), **fl.TINY_BUILD)
+    path = plumbing.tiny.build_tiny_model("frozenlake", fl.tiny_warmup_examples(args_for()), **fl.TINY_BUILD)
     return (
         AutoModelForCausalLM.from_pretrained(
             path,
             dtype=torch.float32,
-            attn_implementation=common.attention_implementation("cpu"),
+            attn_implementation=plumbing.engine.attention_implementation("cpu"),
             trust_remote_code=False,
         ).eval(),
         AutoTokenizer.from_pretrained(path, trust_remote_code=False),
@@ -497,7 +504,7 @@ def recorded_rollout(tiny, flags, n=6, temperature=0.8):
     record = []
 
     def generate(prompts, temp, turn_cache):
-        out = fl.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64, turn_cache)
+        out = plumbing.engine.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64, turn_cache)
         record.append((prompts, out))
         return out
 
@@ -600,14 +607,16 @@ def test_update_logprobs_match_generation_and_observations_get_no_gradient(tiny,
 
 
 def test_update_is_the_same_whatever_the_micro_batch_plan(tiny, monkeypatch):
-    """ppo_update cuts a mini-batch into micro-batches of like length (common.micro_batch_plan) to pad less: the
+    """ppo_update cuts a mini-batch into micro-batches of like length (plumbing.forward.micro_batch_plan) to pad less: the
     weights after one optimizer step equal those of one pass over the whole ragged mini-batch."""
     model, tok = tiny
     args, trajs, _ = recorded_rollout(tiny, [], temperature=0.7)
     rows = fl.training_rows(trajs, None) + fl.training_rows(trajs, 1)  # whole episodes and single turns: ragged
     batch = fl.collate(rows, tok.pad_token_id, "cpu")
     mask = batch["loss_mask"]
-    plan = common.micro_batch_plan(batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size)
+    plan = plumbing.forward.micro_batch_plan(
+        batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size
+    )
     assert len(plan) > 1  # the ragged rows are split
     torch.manual_seed(1)
     inputs = dict(
@@ -631,7 +640,7 @@ def test_update_is_the_same_whatever_the_micro_batch_plan(tiny, monkeypatch):
         return torch.cat([(p - q).flatten() for p, q in zip(policy.parameters(), model.parameters())]), metrics
 
     planned, m1 = one_update()
-    monkeypatch.setattr(common, "micro_batch_plan", lambda first, *rest: [torch.arange(len(first))])
+    monkeypatch.setattr(plumbing.forward, "micro_batch_plan", lambda first, *rest: [torch.arange(len(first))])
     whole, m2 = one_update()
     assert whole.abs().sum() > 0
     # The micro-batches sum the gradient in another order, and a weight near 1 (the norms') holds steps only to its
@@ -736,7 +745,6 @@ def read(path):
         (["--max-actions-per-traj", "0"], "--max-actions-per-traj"),
         (["--frozen-prob", "1.5"], "--frozen-prob"),
         (["--estimator", "ppo"], "--estimator"),
-        (["--keep-checkpoints", "0"], "--keep-checkpoints"),
         (["--resume"], "--resume"),  # nothing to resume in an empty folder
     ],
 )
@@ -818,9 +826,9 @@ def test_smoke_two_steps_writes_every_output(gae_run):
     html = (out / "report.html").read_text()
     assert "frozenlake" in html and "optimal" in html
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
-    ckpt = common.latest_checkpoint(out)
+    ckpt = plumbing.run.latest_checkpoint(out)
     assert ckpt.name == "step-000002" and (ckpt / "policy" / "config.json").exists()
-    assert {"opt", "critic", "critic_opt", "rng", "history"} <= set(common.load_checkpoint_state(ckpt))
+    assert {"opt", "critic", "critic_opt", "rng", "history"} <= set(plumbing.run.load_checkpoint_state(ckpt))
     config = json.loads((out / "config.json").read_text())
     assert config["task"] == "frozenlake" and config["estimator"] == "gae"
     assert "sample (seed" in log and "turn 1:" in log and "done: 2 steps" in log
@@ -847,7 +855,7 @@ def test_resume_continues_where_the_checkpoint_left_off(gae_run, tmp_path):
     assert "critic/vf_loss" in rows[3] and "val/success" in rows[3]  # still gae, still evaluating every step
     steps = [r["step"] for r in read(out / "rollouts.jsonl")]
     assert steps == sorted(steps) and steps[-1] == 3
-    assert common.latest_checkpoint(out).name == "step-000003"
+    assert plumbing.run.latest_checkpoint(out).name == "step-000003"
 
 
 def test_smoke_grpo_with_kl_and_one_row_per_turn(tmp_path):
@@ -859,7 +867,7 @@ def test_smoke_grpo_with_kl_and_one_row_per_turn(tmp_path):
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert EXPECTED_KEYS <= set(rows[1]) and "actor/kl_loss" in rows[1] and "critic/vf_loss" not in rows[1]
     assert rows[1]["rollout/trained_rows"] >= rows[1]["rollout/kept_groups"] * 3  # a row per turn
-    assert (tmp_path / "report.html").exists() and common.latest_checkpoint(tmp_path).name == "step-000002"
+    assert (tmp_path / "report.html").exists() and plumbing.run.latest_checkpoint(tmp_path).name == "step-000002"
 
 
 # ---- in-process runs: guards (the loop's pieces patched) ------------------------------------------------------------
@@ -890,7 +898,9 @@ def weights_after(tmp_path, *flags):
     init = AutoModelForCausalLM.from_pretrained(
         json.loads((tmp_path / "config.json").read_text())["model_path"], trust_remote_code=False
     )
-    saved = AutoModelForCausalLM.from_pretrained(common.latest_checkpoint(tmp_path) / "policy", trust_remote_code=False)
+    saved = AutoModelForCausalLM.from_pretrained(
+        plumbing.run.latest_checkpoint(tmp_path) / "policy", trust_remote_code=False
+    )
     return [torch.equal(a, b) for a, b in zip(init.state_dict().values(), saved.state_dict().values())]
 
 
@@ -922,7 +932,7 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
     assert "--max-skipped" in capsys.readouterr().err
     rows = read(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["actor/skipped_updates"] >= 1 for r in rows[1:])
-    assert common.latest_checkpoint(tmp_path).name == "step-000001"  # nothing saved after the second bad step
+    assert plumbing.run.latest_checkpoint(tmp_path).name == "step-000001"  # nothing saved after the second bad step
 
 
 @pytest.mark.parametrize("window", [[], ["--max-context-turns", "1"]])
@@ -953,15 +963,12 @@ def test_world_model_warmup_runs_before_rl_and_a_resume_reuses_it(tmp_path, caps
     import torch
     from transformers import AutoModelForCausalLM
 
-    out, flags = (
-        tmp_path / "run",
-        [*IN_PROCESS, "--warmup-steps", "2", "--warmup-batch-size", "2", "--warmup-lr", "1e-3"],
-    )
+    out, flags = (tmp_path / "run", [*IN_PROCESS, "--warmup-steps", "2"])
     fl.main([*flags, "--output-dir", str(out), "--steps", "1", "--save-every", "1"])
     warm = out / "warmup"
-    assert "world-model warm-up: 2 steps of 2" in capsys.readouterr().out
+    assert "world-model warm-up: 2 steps of 8" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["model_path"] == str(warm)
-    tiny = common.build_tiny_model(
+    tiny = plumbing.tiny.build_tiny_model(
         "frozenlake", fl.tiny_warmup_examples(fl.Args(**fl.PRESETS["tiny"])), **fl.TINY_BUILD
     )
     before = AutoModelForCausalLM.from_pretrained(tiny, trust_remote_code=False).state_dict()

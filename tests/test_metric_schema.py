@@ -7,7 +7,7 @@ bandit logs the subset that applies to a one-turn task, with the same meaning.
 
 import pytest
 
-import common
+import plumbing.flags
 import starpo_bandit as sb
 import starpo_frozenlake as fl
 import starpo_sokoban as ss
@@ -72,4 +72,4 @@ def test_filter_stats_are_one_function_everywhere():
     assert out == fl.filter_stats(std, kept, 8) == ss.filter_stats(std, kept, 8)
     assert out["rollout/zero_std_frac"] == 0.5 and out["rollout/chosen_in_group_std"] == 0.75
     assert out["rollout/kept_groups"] == 2 and out["rollout/trained_rows"] == 8
-    assert common.given_fields(fl.Args(max_turns=3)) == {"max_turns"}
+    assert plumbing.flags.given_fields(fl.Args(max_turns=3)) == {"max_turns"}

@@ -1,4 +1,4 @@
-"""report.py: the run report on synthetic run directories, escaping of model text, and a headless-Chromium check."""
+"""plumbing/report.py: the run report on synthetic run directories, escaping of model text, and a headless-Chromium check."""
 
 import base64
 import hashlib
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import report
+from plumbing import report
 from conftest import ROOT
 
 EVIL = "<script>alert(1)</script> </script><img src=x onerror=alert(2)> \"quotes\" 'single' & <!-- \u2028\u2029 end"
@@ -394,12 +394,12 @@ def test_write_is_atomic_and_overwrites(tmp_path):
 
 def test_command_line(tmp_path):
     run = make_run(tmp_path / "run")
-    ok = subprocess.run([sys.executable, str(ROOT / "report.py"), str(run)], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "plumbing.report", str(run)], capture_output=True, text=True, cwd=ROOT)
     assert ok.returncode == 0 and ok.stdout.strip().endswith("report.html")
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
     for bad in ([str(tmp_path / "missing")], [str(tmp_path / "empty")], [str(tmp_path / "file")], []):
-        res = subprocess.run([sys.executable, str(ROOT / "report.py"), *bad], capture_output=True, text=True)
+        res = subprocess.run([sys.executable, "-m", "plumbing.report", *bad], capture_output=True, text=True, cwd=ROOT)
         assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
     with pytest.raises(NotADirectoryError):
         report.build_report(tmp_path / "missing")
@@ -565,9 +565,11 @@ def test_browser_tiny_bandit_run(tmp_path):
 
 def test_help_and_bad_usage():
     for flag in ("--help", "-h"):
-        res = subprocess.run([sys.executable, str(ROOT / "report.py"), flag], capture_output=True, text=True)
-        assert res.returncode == 0 and res.stdout.startswith("usage: python report.py RUN_DIR") and not res.stderr
+        res = subprocess.run([sys.executable, "-m", "plumbing.report", flag], capture_output=True, text=True, cwd=ROOT)
+        assert (
+            res.returncode == 0 and res.stdout.startswith("usage: python -m plumbing.report RUN_DIR") and not res.stderr
+        )
     for bad in (["--bogus"], ["a", "b"], []):
-        res = subprocess.run([sys.executable, str(ROOT / "report.py"), *bad], capture_output=True, text=True)
+        res = subprocess.run([sys.executable, "-m", "plumbing.report", *bad], capture_output=True, text=True, cwd=ROOT)
         assert res.returncode == 2 and not res.stdout and "Traceback" not in res.stderr
-        assert len(res.stderr.strip().splitlines()) == 1 and "usage: python report.py RUN_DIR" in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "usage: python -m plumbing.report RUN_DIR" in res.stderr

@@ -8,7 +8,10 @@ import random
 import pytest
 import torch
 
-import common
+import plumbing.engine
+import plumbing.forward
+import plumbing.run
+import plumbing.tiny
 import starpo_sokoban as ss
 from conftest import TURN_RECORD_KEYS, run_script_file
 
@@ -279,8 +282,10 @@ def test_outcome_words_name_what_each_move_does():
 def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = common.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD)
-    attn = common.attention_implementation("cpu")  # what the script loads on a CPU
+    path = plumbing.tiny.build_tiny_model(
+        "sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD
+    )
+    attn = plumbing.engine.attention_implementation("cpu")  # what the script loads on a CPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     return model.eval(), AutoTokenizer.from_pretrained(path)
 
@@ -448,15 +453,12 @@ def test_place_rewards_full_history_and_per_turn(tiny):
     )
     r = [t.reward for t in traj.turns]
     full = ss.training_rows([traj], None)
-    tr = ss.place_rewards(full, [traj], len(traj.ids) - 1, turn_rewards=True)
+    tr = ss.place_rewards(full, [traj], len(traj.ids) - 1)
     assert tr.sum().item() == pytest.approx(sum(r))
     for j, last in enumerate(traj.turn_last_index):
         assert tr[0, last - 1].item() == pytest.approx(r[j])  # column t scores token t + 1
-    tr = ss.place_rewards(full, [traj], len(traj.ids) - 1, turn_rewards=False)
-    assert tr[0, traj.turn_last_index[-1] - 1].item() == pytest.approx(traj.score)
-    assert tr.abs().sum().item() == pytest.approx(abs(traj.score))
     per_turn = ss.training_rows([traj], 1)
-    tr = ss.place_rewards(per_turn, [traj], max(len(x.ids) for x in per_turn) - 1, turn_rewards=True)
+    tr = ss.place_rewards(per_turn, [traj], max(len(x.ids) for x in per_turn) - 1)
     for j, row in enumerate(per_turn):
         assert tr[j, row.last_index[0] - 1].item() == pytest.approx(sum(r[j:]))  # return-to-go
 
@@ -512,7 +514,7 @@ def test_hidden_states_runs_each_first_prompt_once_and_equals_a_full_pass(tiny):
         for shared in (True, False):
             model.zero_grad()
             if shared:
-                h = ss.hidden_states(model.base_model, mb)
+                h = plumbing.forward.hidden_states(model.base_model, mb)
             else:
                 h = model.base_model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).last_hidden_state
             (h[valid] * weights[valid]).sum().backward()
@@ -541,7 +543,7 @@ def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     def generate(prompts, temp, turn_cache):
         caches.append(turn_cache)
         calls.append(len({(i // 4, tuple(p)) for i, p in enumerate(prompts)}))  # distinct prompts per chunk of 4
-        return ss.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 4, turn_cache)
+        return plumbing.engine.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 4, turn_cache)
 
     runs = []
     for reuse in (False, True):
@@ -570,7 +572,9 @@ def test_generation_logprobs_match_update_pass(tiny, k):
     model, tok = tiny
     torch.manual_seed(0)
     args = ss.Args(max_tokens=64, max_context_turns=k)
-    gen = lambda prompts, temp, cache: ss.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64, cache)  # noqa: E731
+    gen = lambda prompts, temp, cache: plumbing.engine.hf_generate(
+        model, tok, prompts, temp, 1.0, args.max_tokens, 64, cache
+    )  # noqa: E731
     trajs = ss.rollout(gen, tok, [10**9 + i for i in range(6)], args, 0.7, ss.RUBRIC)
     rows_ = ss.training_rows(trajs, k)
     assert len({len(r.ids) for r in rows_}) >= 3  # ragged
@@ -622,7 +626,7 @@ def test_bad_flags_fail_before_a_model_loads(flags, needle, tmp_path, monkeypatc
     def no_model(*a, **k):
         raise AssertionError("a model was built before the flags were checked")
 
-    monkeypatch.setattr(common, "build_tiny_model", no_model)
+    monkeypatch.setattr(plumbing.tiny, "build_tiny_model", no_model)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         ss.main([*flags, "--output-dir", str(out)])
@@ -704,9 +708,9 @@ def check_run(run_dir, out: str, gae: bool, kl: bool | None = None):
     assert rows_[0]["val/optimal_success"] >= 0.75 and rows_[0]["val/optimal_length/mean"] > 0
     assert rows_[1]["actor/skipped_updates"] == 0
     assert ("critic/vf_loss" in rows_[1]) == gae and ("actor/kl_loss" in rows_[1]) == (not gae if kl is None else kl)
-    ckpt = common.latest_checkpoint(run_dir)
+    ckpt = plumbing.run.latest_checkpoint(run_dir)
     assert ckpt is not None and ckpt.name == "step-000002" and (ckpt / "policy" / "config.json").exists()
-    assert ("critic" in common.load_checkpoint_state(ckpt)) == gae
+    assert ("critic" in plumbing.run.load_checkpoint_state(ckpt)) == gae
     assert json.loads((run_dir / "config.json").read_text())["task"] == "sokoban"
     assert "sample (seed" in out and "report: " in out
     # rollouts.jsonl: the bandit's schema, one entry per turn; 4 val rooms at steps 0, 1, 2 and one per group in training
@@ -728,7 +732,7 @@ def check_run(run_dir, out: str, gae: bool, kl: bool | None = None):
             }
             assert set(t["view"]) == {"grid", "legend", "player", "boxes", "targets"}
     # the report draws the room from the environment's own view of it, and the room after the last move
-    from report import grid_of
+    from plumbing.report import grid_of
 
     html = (run_dir / "report.html").read_text()
     assert "sokoban" in html
@@ -743,7 +747,7 @@ def smoke_run(tmp_path_factory):
     """StarPO-S with GAE (the paper preset's estimator; the tiny preset's is turn-grpo) for 2 steps with a checkpoint
     after each: shared by the smoke and resume tests."""
     out = tmp_path_factory.mktemp("smoke")
-    flags = ("--steps", "2", "--save-every", "1", "--keep-checkpoints", "3", "--estimator", "gae")
+    flags = ("--steps", "2", "--save-every", "1", "--estimator", "gae")
     r = run_script(*flags, *SMOKE, "--output-dir", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r.stdout + r.stderr
@@ -760,7 +764,7 @@ def test_smoke_two_steps_gae(smoke_run):
     [
         ["--algo", "starpo", "--estimator", "grpo"],
         ["--estimator", "turn-grpo", "--gamma", "0.9"],
-        ["--max-context-turns", "1", "--no-turn-rewards", "--mask-truncated"],
+        ["--max-context-turns", "1", "--mask-truncated"],
         ["--max-context-turns", "1", "--estimator", "turn-grpo", "--precision", "fp32"],
     ],
 )
@@ -803,7 +807,7 @@ def test_resume_continues_without_repeating_steps(smoke_run, tmp_path):
     assert VAL_KEYS <= set(rows_[3])  # the last step evaluates
     steps = [r["step"] for r in read(run_dir / "rollouts.jsonl")]
     assert steps == sorted(steps) and steps.count(3) == 4 + 2
-    assert common.latest_checkpoint(run_dir).name == "step-000003"
+    assert plumbing.run.latest_checkpoint(run_dir).name == "step-000003"
 
 
 # ---- numerical guard and --mask-truncated (in-process, with the loop's pieces patched) ----------------------------
@@ -815,7 +819,7 @@ def initial_and_saved(run_dir):
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(json.loads((run_dir / "config.json").read_text())["model_path"])
-    saved = AutoModelForCausalLM.from_pretrained(common.latest_checkpoint(run_dir) / "policy")
+    saved = AutoModelForCausalLM.from_pretrained(plumbing.run.latest_checkpoint(run_dir) / "policy")
     return [torch.equal(a, b) for a, b in zip(init.state_dict().values(), saved.state_dict().values())]
 
 
@@ -832,7 +836,7 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
     assert e.value.code == 2 and "--max-skipped" in capsys.readouterr().err
     rows_ = read(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows_] == [0, 1, 2] and all(r["actor/skipped_updates"] >= 1 for r in rows_[1:])
-    assert common.latest_checkpoint(tmp_path).name == "step-000001" and all(initial_and_saved(tmp_path))
+    assert plumbing.run.latest_checkpoint(tmp_path).name == "step-000001" and all(initial_and_saved(tmp_path))
 
 
 def test_mask_truncated_means_cut_trajectories_are_not_trained(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import common
+import plumbing.tiny
 import starpo_frozenlake as fl
 import starpo_sokoban as ss
 from conftest import ROOT
@@ -20,7 +20,7 @@ SCRIPTS = {"frozenlake": fl, "sokoban": ss}
 
 
 def shipped_torch() -> set:
-    return {json.loads(p.read_text())["torch"] for p in common.SHIPPED_TINY.glob("tiny-*/build_info.json")}
+    return {json.loads(p.read_text())["torch"] for p in plumbing.tiny.SHIPPED_TINY.glob("tiny-*/build_info.json")}
 
 
 @pytest.fixture(autouse=True)
@@ -36,23 +36,23 @@ def test_shipped_model_is_todays_build(task, tmp_path):
     assert examples == script.tiny_warmup_examples(
         script.Args(**script.PRESETS["tiny"])
     )  # what the tests' own fixtures ask for, too
-    name = common.tiny_model_name(task, examples, **recipe)
-    shipped = sorted(p.name for p in common.SHIPPED_TINY.glob(f"tiny-{task}-*"))
+    name = plumbing.tiny.tiny_model_name(task, examples, **recipe)
+    shipped = sorted(p.name for p in plumbing.tiny.SHIPPED_TINY.glob(f"tiny-{task}-*"))
     assert shipped == [name], f"tiny/ holds {shipped}, today's recipe is {name}: run python tools/ship_tiny.py"
-    assert (common.SHIPPED_TINY / name / "model.safetensors").stat().st_size <= ship_tiny.MAX_MODEL_BYTES
+    assert (plumbing.tiny.SHIPPED_TINY / name / "model.safetensors").stat().st_size <= ship_tiny.MAX_MODEL_BYTES
 
 
 def test_shipped_files_match_their_checksums():
-    assert (common.SHIPPED_TINY / "SHA256SUMS").read_text() == ship_tiny.checksums(common.SHIPPED_TINY)
-    assert len(ship_tiny.checksums(common.SHIPPED_TINY).splitlines()) >= 2 * 6  # weights, config, tokenizer, ...
+    assert (plumbing.tiny.SHIPPED_TINY / "SHA256SUMS").read_text() == ship_tiny.checksums(plumbing.tiny.SHIPPED_TINY)
+    assert len(ship_tiny.checksums(plumbing.tiny.SHIPPED_TINY).splitlines()) >= 2 * 6  # weights, config, tokenizer, ...
 
 
 def test_an_empty_cache_gets_the_shipped_model_and_an_edited_prompt_does_not(tmp_path, monkeypatch):
     monkeypatch.setenv("STARPO_CACHE", str(tmp_path / "cache"))
     examples = ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"]))
-    assert common.build_tiny_model("sokoban", examples, **ss.TINY_BUILD).parent == common.SHIPPED_TINY
+    assert plumbing.tiny.build_tiny_model("sokoban", examples, **ss.TINY_BUILD).parent == plumbing.tiny.SHIPPED_TINY
     edited = [(messages, reply + " ") for messages, reply in examples]
-    assert common.tiny_model_name("sokoban", edited, **ss.TINY_BUILD) != common.tiny_model_name(
+    assert plumbing.tiny.tiny_model_name("sokoban", edited, **ss.TINY_BUILD) != plumbing.tiny.tiny_model_name(
         "sokoban", examples, **ss.TINY_BUILD
     )
     assert not (tmp_path / "cache").exists()  # nothing was built or copied

@@ -5,7 +5,7 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-import common
+import plumbing.tiny
 import starpo_bandit as sb
 import starpo_frozenlake as fl
 import starpo_sokoban as sk
@@ -23,14 +23,14 @@ def built(request):
     from transformers import AutoTokenizer
 
     kwargs, examples = BUILDS[request.param]()
-    path = common.build_tiny_model(request.param, examples, **kwargs)
+    path = plumbing.tiny.build_tiny_model(request.param, examples, **kwargs)
     return path, AutoTokenizer.from_pretrained(path), examples
 
 
 def test_warmup_was_tokenized_by_the_tokenizer_the_scripts_load(built):
     path, tok, examples = built
     info = json.loads((path / "build_info.json").read_text())
-    assert info["warmup_ids_sha256"] == common.token_ids_digest(common.sft_rows(tok, examples))
+    assert info["warmup_ids_sha256"] == plumbing.tiny.token_ids_digest(plumbing.tiny.sft_rows(tok, examples))
 
 
 def test_saved_tokenizer_file_and_autotokenizer_agree_on_digits(built):

@@ -18,6 +18,7 @@ vllm = pytest.importorskip(
 )
 
 import common  # noqa: E402
+import plumbing.tiny  # noqa: E402
 import starpo_bandit as sb  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
 import starpo_sokoban as ss  # noqa: E402
@@ -50,7 +51,7 @@ def test_engine_and_sampling_arguments_are_accepted(script, tmp_path):
 
 
 def tiny_bandit():
-    return str(common.build_tiny_model("bandit", sb.tiny_warmup_examples([("Phoenix", "Dragon")])))
+    return str(plumbing.tiny.build_tiny_model("bandit", sb.tiny_warmup_examples([("Phoenix", "Dragon")])))
 
 
 def make_engine(dtype):

@@ -10,6 +10,8 @@ import pytest
 
 import starpo_frozenlake as fl
 import starpo_sokoban as sk
+import plumbing.engine
+import plumbing.tiny
 
 TASKS = [fl, sk]
 WARMUPS = [
@@ -172,10 +174,8 @@ def test_the_warmed_up_tiny_model_reads_the_state_on_held_out_maps(m):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import common
-
     args = m.Args(**m.PRESETS["tiny"])
-    path = common.build_tiny_model(m.TASK, m.tiny_warmup_examples(args), **m.TINY_BUILD)
+    path = plumbing.tiny.build_tiny_model(m.TASK, m.tiny_warmup_examples(args), **m.TINY_BUILD)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts, envs = [], []
@@ -186,7 +186,7 @@ def test_the_warmed_up_tiny_model_reads_the_state_on_held_out_maps(m):
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
         envs.append(env)
     torch.manual_seed(0)
-    replies = m.hf_generate(model, tok, prompts, 1e-4, 1.0, 48, 16)
+    replies = plumbing.engine.hf_generate(model, tok, prompts, 1e-4, 1.0, 48, 16)
     words = consistent = copied = 0
     for (ids, _), env in zip(replies, envs):
         think, answer = m.parse_reply(tok.decode(ids, skip_special_tokens=True))

@@ -1,4 +1,4 @@
-"""Build the multi-turn tiny models and ship them in tiny/, where common.build_tiny_model finds them when your own
+"""Build the multi-turn tiny models and ship them in tiny/, where plumbing.tiny.build_tiny_model finds them when your own
 cache ($STARPO_CACHE) has no build for today's recipe: a first FrozenLake or Sokoban run then starts at once
 instead of after a build. Both have a 1,500-step reading stage, then 600 warm-up steps: FrozenLake's about 37
 minutes on two idle cores (its reading stage 768 s, then 1,459 s of warm-up on ten-turn episodes), Sokoban's 30
@@ -8,7 +8,7 @@ reused. The bandit's model (1.5 minutes) is built on first use.
     python tools/ship_tiny.py                # fresh builds in a temporary cache (about an hour on two cores)
     python tools/ship_tiny.py --from-cache   # copy the builds $STARPO_CACHE already holds for today's keys
 
-Run it after changing a multi-turn script's warm-up, its TINY_BUILD or common.TINY_VERSION: tests/test_tiny_shipped.py
+Run it after changing a multi-turn script's warm-up, its TINY_BUILD or plumbing.tiny.TINY_VERSION: tests/test_tiny_shipped.py
 fails until you do. It replaces the task's older shipped builds and rewrites tiny/SHA256SUMS.
 """
 
@@ -23,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
+import plumbing.flags  # noqa: E402
+import plumbing.tiny  # noqa: E402
 
 TASKS = ("frozenlake", "sokoban")
 MAX_MODEL_BYTES = 16 * 2**20  # what a shipped model.safetensors may weigh
@@ -33,7 +34,9 @@ def default_build(task: str, scratch: str) -> tuple[list, dict]:
     """The warm-up examples and build recipe the script's own `--model tiny` run uses (scratch: an unused run dir)."""
     script = importlib.import_module(f"starpo_{task}")
     flags = ["--model", "tiny", "--output-dir", scratch]
-    args = script.resolve_args(common.parse_args(script.Args, flags, presets=script.PRESETS, algos=script.ALGOS))[0]
+    args = script.resolve_args(
+        plumbing.flags.parse_args(script.Args, flags, presets=script.PRESETS, algos=script.ALGOS)
+    )[0]
     return script.tiny_warmup_examples(args), script.TINY_BUILD
 
 
@@ -52,13 +55,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.from_cache:
             os.environ["STARPO_CACHE"] = str(Path(tmp) / "cache")
-        common.SHIPPED_TINY = Path(tmp) / "none"  # never answer with what is shipped already
+        plumbing.tiny.SHIPPED_TINY = Path(tmp) / "none"  # never answer with what is shipped already
         for task in TASKS:
             examples, recipe = default_build(task, str(Path(tmp) / "run"))
-            built = common.tiny_cache_root() / common.tiny_model_name(task, examples, **recipe)
+            built = plumbing.tiny.tiny_cache_root() / plumbing.tiny.tiny_model_name(task, examples, **recipe)
             if args.from_cache and not (built / "build_info.json").exists():
                 sys.exit(f"error: {built} is not built; run without --from-cache")
-            built = common.build_tiny_model(task, examples, **recipe)
+            built = plumbing.tiny.build_tiny_model(task, examples, **recipe)
             size = (built / "model.safetensors").stat().st_size
             if size > MAX_MODEL_BYTES:
                 sys.exit(

@@ -1,6 +1,6 @@
-"""The run report: one self-contained HTML page per run directory (PLUMBING: learners never need to edit this).
+"""The run report: one self-contained HTML page per run directory.
 
-    python report.py runs/bandit-starpo-s-gae-s0      # (re)builds runs/bandit-starpo-s-gae-s0/report.html
+    python -m plumbing.report runs/bandit-starpo-s-gae-s0      # (re)builds runs/bandit-starpo-s-gae-s0/report.html
 
 The scripts call `build_report(output_dir)` at every evaluation and at the end; the page is rewritten atomically,
 so a browser refresh during training never sees half a file. It reads config.json, metrics.jsonl and rollouts.jsonl
@@ -652,7 +652,7 @@ def render_page(run_dir: Path) -> str:
 <label>outcome <select id="outcome"><option value="all">all</option><option value="success">success</option>
 <option value="failure">failure</option></select></label><label>trajectory <select id="traj"></select></label></div>
 <div id="trajectory"><noscript>The rollout viewer needs JavaScript.</noscript></div>
-<p class="muted">Rebuild: <code>python report.py {esc(run_dir)}</code> · written {time.strftime("%Y-%m-%d %H:%M")}</p>
+<p class="muted">Rebuild: <code>python -m plumbing.report {esc(run_dir)}</code> · written {time.strftime("%Y-%m-%d %H:%M")}</p>
 </main>
 <script type="application/json" id="report-data">{json_for_script(data)}</script>
 <script>{JS}</script>
@@ -672,7 +672,7 @@ def build_report(run_dir) -> Path:
     return out
 
 
-USAGE = "usage: python report.py RUN_DIR   (rebuilds RUN_DIR/report.html)"
+USAGE = "usage: python -m plumbing.report RUN_DIR   (rebuilds RUN_DIR/report.html)"
 HELP = f"""{USAGE}
 
 Builds (or rebuilds) the self-contained HTML report of one run directory, as the training scripts do at every
@@ -692,12 +692,12 @@ def main(argv=None) -> int:
     options = [a for a in argv if a.startswith("-")]
     if options or len(argv) != 1:
         why = f"unknown option {options[0]}" if options else f"expected one RUN_DIR, got {len(argv)} arguments"
-        print(f"report.py: {why}; usage: python report.py RUN_DIR (--help for more)", file=sys.stderr)
+        print(f"report: {why}; usage: python -m plumbing.report RUN_DIR (--help for more)", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
     files = ("config.json", "metrics.jsonl", "rollouts.jsonl")
     if not run_dir.is_dir() or not any((run_dir / f).is_file() for f in files):
-        print(f"report.py: {run_dir} is not a run directory (none of {', '.join(files)})", file=sys.stderr)
+        print(f"report: {run_dir} is not a run directory (none of {', '.join(files)})", file=sys.stderr)
         return 2
     print(build_report(run_dir))
     return 0

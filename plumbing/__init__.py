@@ -1,0 +1,13 @@
+"""The machinery behind the StarPO scripts: what makes them run fast, resumably, on a laptop or a GPU.
+
+A learner reads the scripts (task + algorithm) and common.py (the maths); this package is read like a library.
+It never imports a script: a script hands in what it owns (its Args, presets, warm-up examples) as arguments.
+
+    flags.py    Args dataclass -> kebab-case flags, grouped --help, the checks every script shares (torch-free)
+    engine.py   the CPU generation engine: a KV-cache sampling loop with vllm_generate's call shape
+    forward.py  the update's prompt-sharing forward pass and like-length micro-batches
+    run.py      run directory, metrics files, checkpoints and resume, signals, timers, echo-trap warnings
+    cpu.py      threads, glibc's malloc, seeding, precision
+    tiny.py     the embedded tiny models' build, and the world-model warm-up
+    report.py   report.html (`python -m plumbing.report RUN_DIR` rebuilds it)
+"""

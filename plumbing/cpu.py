@@ -1,0 +1,115 @@
+"""CPU settings every script makes at start: threads, glibc's malloc, seeding, precision (docs/CPU.md says why)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+from plumbing.flags import fail
+
+
+def busy_cores_elsewhere(seconds: float = 0.5) -> float | None:
+    """How many cores other processes kept busy over the next `seconds`: the machine's busy time (/proc/stat) minus
+    this process's own. None where /proc is missing (macOS, Windows)."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0), time.process_time()
+
+    try:
+        (busy0, own0), t0 = sample(), time.time()
+        time.sleep(seconds)
+        (busy1, own1), wall = sample(), time.time() - t0
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return max(0.0, ((busy1 - busy0) / hz - (own1 - own0)) / wall)
+
+
+def thread_policy(environ=os.environ, busy_elsewhere=busy_cores_elsewhere) -> str:
+    """Choose torch's CPU threads at start and say what was chosen (the start-up line prints it).
+
+    torch's default, one thread per core with OpenMP's spin-waiting, is fastest on an idle machine but collapses
+    beside other jobs: threads that spin while waiting for a descheduled sibling make a step 3-4x slower than one
+    thread (bench/results/threads_cpu.json). So: measure for half a second how many cores other processes keep
+    busy, and use the cores this process may run on minus those (at least one). OMP_NUM_THREADS or
+    STARPO_THREADS=N (a number, or 'off' to leave torch alone) override it. The choice is made once, at start.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    forced = environ.get("STARPO_THREADS", "")
+    if forced == "off" or (not forced and environ.get("OMP_NUM_THREADS")):
+        return f"{torch.get_num_threads()} (as set by the environment)"
+    if forced:
+        try:
+            n = max(1, int(forced))
+        except ValueError:
+            fail("STARPO_THREADS", f"must be a number of threads or 'off', got {forced!r}")
+        torch.set_num_threads(n)
+        return f"{n} (STARPO_THREADS)"
+    busy = busy_elsewhere() if cores > 1 else None
+    n = cores if busy is None else max(1, min(cores, round(cores - busy)))
+    torch.set_num_threads(n)
+    seen = "" if busy is None else f", other processes busy on {busy:.1f}"
+    return f"{n} of {cores} cores{seen}"
+
+
+def keep_freed_memory(environ=os.environ, libc=None) -> bool:
+    """Tell glibc's malloc to keep freed memory in the process instead of handing it back to the system.
+
+    glibc serves a large block (the KV caches, the update's activations) with a fresh mmap and unmaps it when freed,
+    so the next step's tensors land on new pages, each faulted in and zeroed by the kernel; on a virtual machine
+    that returns freed pages to its host (this project's), the first touch costs more still. With mmap off
+    (M_MMAP_MAX 0) and no trimming below 2 GiB free (M_TRIM_THRESHOLD), the process reuses its own heap: with the
+    NaN fill off too (seed_everything), default steps 6% (FrozenLake), 7% (Sokoban) and 4% (bandit) faster, the same
+    episodes bit for bit, peak memory up to 9% higher (bench/results/cpu_memory.json). A malloc setting of your own
+    (MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_) wins; without glibc
+    (macOS, musl, Windows) nothing changes. Returns whether the setting was made.
+    """
+    if any(
+        environ.get(k)
+        for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+    ):
+        return False
+    if libc is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            return False
+    mallopt = getattr(libc, "mallopt", None)  # glibc only
+    if mallopt is None or not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def seed_everything(seed: int, device: str | None = None) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if device == "cpu":  # bit-for-bit reproducible CPU runs (resume == uninterrupted, tested): without this the
+        torch.use_deterministic_algorithms(True)  # backward of an index with repeats sums in thread order
+        # ... but not its debugging aid, which writes NaN into every new tensor before use (each KV-cache buffer,
+        # every activation): 2.5% of a FrozenLake step (bench/results/cpu_memory.json). Nothing reads memory it did
+        # not write, so the results are the same bits (the resume tests; the benchmark's runs play the same episodes).
+        torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """--precision auto -> "bf16" on a CUDA device that supports it, else "fp32"; "bf16" and "fp32" pass through.
+
+    A CPU stays in float32 unless you ask: on this project's 2-core Xeon (AMX-BF16) bf16 made the tiny model's update
+    2.2x and a turn's generation 1.8x faster in isolation, yet 20 real FrozenLake training steps took 10.6 s each in
+    bf16 against 10.4 s in float32, and the bandit's 0.79 s against 0.86 s (bench/results/cpu_bf16.json,
+    frozenlake_20steps_*.json, bandit_cpu*.json). CPUs without AMX-BF16 or AVX512-BF16 emulate bf16, slower still.
+    """
+    if precision != "auto":
+        return precision
+    return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"

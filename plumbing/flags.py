@@ -1,0 +1,247 @@
+"""Flags and the checks every script shares; loads without torch, so `--help` answers at once.
+
+Each script defines `Args` (one field per flag, its help text the docstring under it: the CleanRL / tyro convention),
+`PRESETS` and `ALGOS` first, then calls `answer_help`, and only then imports torch, which takes seconds to load.
+`resolve_run` and `common_checks` then settle what every script settles alike (a resumed run's saved flags, device,
+model, backend, presets) and check the flags every script has, before any model loads: a bad flag is one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import time
+import typing
+from pathlib import Path
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """The docstring written under each dataclass field (the CleanRL / tyro convention), read from the source."""
+    docs: dict[str, str] = {}
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return docs
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).strip()
+    return docs
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints the whole usage block; we print the one line that matters
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # a flag whose text already says its default gets no "(default: None)"
+        if action.default is None and "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(cls, argv=None, description: str | None = None, presets: dict | None = None, algos: dict | None = None):
+    """Turn a dataclass into kebab-case flags (field `group_size` -> `--group-size`) and parse argv into it.
+
+    presets / algos: {name: {field: value}} (a script's PRESETS and ALGOS), shown in --help next to each field's
+    default. The returned instance carries `given`, the set of fields set on the command line, so that a preset or
+    a resumed run's config fills only the others (a flag you type always wins).
+    """
+    overrides = {f"--preset {k}": v for k, v in (presets or {}).items()} | {
+        f"--algo {k}": v for k, v in (algos or {}).items()
+    }
+
+    def build(suppress: bool) -> argparse.ArgumentParser:
+        parser = _OneLineParser(description=description, formatter_class=_DefaultsFormatter)
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            text = docs.get(f.name, " ")
+            shown = [f"{name}: {p[f.name]}" for name, p in overrides.items() if f.name in p]
+            if shown:
+                text += " [" + "; ".join(shown) + "]"
+            tp = hints[f.name]
+            kw = {"default": argparse.SUPPRESS if suppress else f.default, "help": text.replace("%", "%%")}
+            args = typing.get_args(tp)
+            if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+                tp = next(a for a in args if a is not type(None))  # Optional[X] -> X
+                args = typing.get_args(tp)
+            if tp is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(tp) is typing.Literal:
+                kw["choices"], kw["type"] = list(args), type(args[0])
+            else:
+                kw["type"] = tp
+            parser.add_argument(flag, **kw)
+        return parser
+
+    args = cls(**vars(build(False).parse_args(argv)))
+    args.given = frozenset(vars(build(True).parse_args(argv)))  # not a field: never saved in config.json
+    return args
+
+
+def answer_help(module_name: str, cls, description: str, presets: dict, algos: dict) -> None:
+    """When a script runs with -h / --help, print its help and exit, before the script imports torch."""
+    if module_name == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):
+        parse_args(cls, sys.argv[1:], description, presets, algos)  # argparse prints the help and exits
+
+
+def fail(flag: str, message: str) -> typing.NoReturn:
+    """Print one line naming the bad flag and exit with status 2 (argparse's convention), before any model loads."""
+    print(f"error: {flag}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def given_fields(args) -> frozenset:
+    """The fields set on the command line (parse_args records them as `args.given`); for an instance built in code,
+    the fields whose value differs from the dataclass default."""
+    given = getattr(args, "given", None)
+    if given is not None:
+        return frozenset(given)
+    return frozenset(f.name for f in dataclasses.fields(args) if getattr(args, f.name) != f.default)
+
+
+def model_is_reachable(model_id: str) -> bool:
+    """True if `model_id` is a local directory, is in the Hugging Face cache, or (when online) its config downloads."""
+    if os.path.isdir(model_id):
+        return True
+    try:
+        from huggingface_hub import hf_hub_download
+
+        hf_hub_download(model_id, "config.json", local_files_only=True)
+        return True
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    # One quick HEAD first, with no retries and huggingface_hub's logger and warnings muted: offline, hf_hub_download
+    # alone retries with backoff for about 25 s and prints ~11 "Retrying in ..." lines before the caller's one-line
+    # error. get_hf_file_metadata does not retry (and sends the saved token, so gated models behave as before).
+    import logging
+    import warnings
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    try:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        hub_logger.setLevel(logging.CRITICAL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            get_hf_file_metadata(hf_hub_url(model_id, "config.json"), timeout=5)
+    except Exception:
+        return False
+    finally:
+        hub_logger.setLevel(level)
+    try:  # reachable: download the config as before (it lands in the cache)
+        from huggingface_hub import hf_hub_download
+
+        hf_hub_download(model_id, "config.json", etag_timeout=5)
+        return True
+    except Exception:
+        return False
+
+
+def resolve_run(
+    args, presets: dict, algos: dict, task: str, default_model: str, vllm_unavailable
+) -> tuple[str, str, str]:
+    """The settings every script resolves alike: a resumed run's saved flags, device, model, backend, presets.
+    presets, algos: the script's PRESETS and ALGOS; default_model: --model auto's choice on CUDA (on a CPU: tiny);
+    vllm_unavailable(device): the script's own check, None when vLLM can run here.
+
+    Returns (device, model, backend). A flag you type always wins; a resumed run keeps its saved settings for the
+    rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give. Where
+    both name a flag, an --algo you typed wins, else the preset (a tiny model may keep more groups than StarPO-S).
+    """
+    import torch  # here, not at the top: --help must answer before torch loads
+
+    given = given_fields(args)
+    if args.resume:
+        if not args.output_dir:
+            fail("--resume", "needs --output-dir, the folder of the run to continue")
+        saved_path = Path(args.output_dir) / "config.json"
+        if not saved_path.exists():
+            fail("--resume", f"no config.json in {args.output_dir}: nothing to resume")
+        saved = json.loads(saved_path.read_text())
+        for f in dataclasses.fields(args):
+            if f.name in saved and f.name not in given and f.name not in ("resume", "overwrite"):
+                setattr(args, f.name, saved[f.name])
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device", "cuda requested but no CUDA device is visible")
+    device = (
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
+    model = args.model if args.model != "auto" else (default_model if device == "cuda" else "tiny")
+    if model != "tiny" and not model_is_reachable(model):
+        fail(
+            "--model",
+            f"{model!r} is neither a local directory nor reachable on the Hugging Face Hub "
+            f"(offline?); use --model tiny for the embedded model",
+        )
+    backend = args.backend
+    if backend == "vllm" or (backend == "auto" and device == "cuda"):  # auto on a CPU: hf, faster for the tiny models
+        why = vllm_unavailable(device)
+        if backend == "vllm" and why:
+            fail("--backend", f"vllm {why}; or use --backend hf")
+        backend = "hf" if why else "vllm"
+    backend = "hf" if backend == "auto" else backend
+    if args.vllm_sleep and (backend != "vllm" or device != "cuda"):
+        fail("--vllm-sleep", "needs --backend vllm on a CUDA device (vLLM's sleep mode frees GPU memory)")
+    if not args.resume:  # (a resumed run's config.json already holds the values its preset gave)
+        args.preset = args.preset if args.preset != "auto" else ("tiny" if model == "tiny" else "paper")
+        preset, algo = presets[args.preset], algos[args.algo]
+        for k, v in ({**preset, **algo} if "algo" in given else {**algo, **preset}).items():
+            if k not in given:
+                setattr(args, k, v)
+    args.output_dir = (
+        args.output_dir or f"runs/{task}-{args.algo}-{args.estimator}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    return device, model, backend
+
+
+def common_checks(args) -> list[tuple[str, bool, str]]:
+    """(flag, ok, message) for the flags every script has; each script adds its task's own."""
+    return [
+        (
+            "--group-size",
+            args.group_size >= 2 or args.estimator not in ("grpo", "turn-grpo"),
+            f"must be >= 2 with --estimator {args.estimator} (a group of one has no baseline)",
+        ),
+        ("--group-size", args.group_size >= 1, "must be >= 1"),
+        ("--n-groups", args.n_groups >= 1, "must be >= 1"),
+        ("--keep-ratio", 0 < args.keep_ratio <= 1, f"must be in (0, 1], got {args.keep_ratio}"),
+        ("--dual-clip", args.dual_clip == 0 or args.dual_clip > 1, f"must be > 1 (or 0 = off), got {args.dual_clip}"),
+        ("--clip-low", 0 <= args.clip_low < 1, f"must be in [0, 1), got {args.clip_low}"),
+        ("--clip-high", args.clip_high >= 0, f"must be >= 0, got {args.clip_high}"),
+        ("--kl-coef", args.kl_coef >= 0, f"must be >= 0, got {args.kl_coef}"),
+        ("--temperature", args.temperature > 0, "must be > 0"),
+        ("--val-temperature", args.val_temperature > 0, "must be > 0"),
+        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
+        ("--lr", args.lr > 0, "must be > 0"),
+        ("--critic-lr", args.critic_lr > 0, "must be > 0"),
+        ("--steps", args.steps >= 0, "must be >= 0"),
+        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
+        ("--max-tokens", args.max_tokens < args.max_model_len, "must be < --max-model-len"),
+        ("--val-size", args.val_size >= 1, "must be >= 1"),
+        ("--ppo-epochs", args.ppo_epochs >= 1, "must be >= 1"),
+        ("--mini-batch-size", args.mini_batch_size >= 1, "must be >= 1"),
+        ("--micro-batch-size", args.micro_batch_size >= 1, "must be >= 1"),
+        ("--eval-every", args.eval_every >= 0, "must be >= 0"),
+        ("--save-every", args.save_every >= 0, "must be >= 0"),
+        ("--max-skipped", args.max_skipped >= 1, "must be >= 1"),
+        ("--log-rollouts-every", args.log_rollouts_every >= 0, "must be >= 0"),
+        ("--sample-every", args.sample_every >= 0, "must be >= 0"),
+        ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
+        ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
+        ("--tis-cap", args.tis_cap == 0 or args.tis_cap >= 1, f"must be >= 1 (or 0 = off), got {args.tis_cap}"),
+    ]

@@ -1,0 +1,96 @@
+"""The update's forward pass, made cheap for multi-turn rows: each group's first prompt runs once, and micro-batches
+gather rows of like length (docs/CPU.md). Same numbers as the plain pass over full rows (tests/test_sokoban.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def hidden_states(body, mb: dict) -> torch.Tensor:
+    """The last hidden states of mb's rows, (b, L, H), with each group's first prompt run once.
+
+    Every row starts with its trajectory's first prompt and the rows of a group share it, so the distinct prompts
+    run once (u rows, cut at the longest, F), their KV cache is copied to the rows (an index: gradients from every
+    row flow back into the one prompt pass), and each row's rest runs on top at its own positions (the padding in
+    between masked). The states then go back to the rows' own columns: the same numbers as one pass over the full
+    rows (tested, values and gradients), for u * F + b * R tokens instead of b * (F + R).
+    """
+    from transformers import DynamicCache
+
+    groups = mb["group"].tolist()
+    distinct = list(dict.fromkeys(groups))
+    lead = torch.tensor([groups.index(g) for g in distinct], device=mb["group"].device)  # (u,): a row per group
+    row = torch.tensor([distinct.index(g) for g in groups], device=lead.device)  # (b,): row -> its group's prompt
+    first, length = mb["first_len"], mb["length"]  # (b,) each
+    F, R = int(first.max()), int((length - first).max())
+    cols = torch.arange(F, device=lead.device)
+    prompt_attn = (cols[None] < first[lead, None]).long()  # (u, F): a shorter prompt's tail is masked
+    cache = DynamicCache()
+    out = body(
+        input_ids=mb["input_ids"][lead, :F],
+        attention_mask=prompt_attn,
+        position_ids=cols[None].expand(len(lead), -1),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    h = out.last_hidden_state[row]  # (b, F, H)
+    if R > 0:
+        rest = first[:, None] + torch.arange(R, device=lead.device)[None]  # (b, R): each row's columns after it
+        rest_attn = (rest < length[:, None]).long()  # (b, R): right padding
+        cache.batch_select_indices(row)  # (u, ...) -> (b, ...)
+        out = body(
+            input_ids=mb["input_ids"].gather(1, rest.clamp(max=mb["input_ids"].shape[1] - 1)),
+            attention_mask=torch.cat([prompt_attn[row], rest_attn], dim=1),  # (b, F + R)
+            position_ids=rest,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        h = torch.cat([h, out.last_hidden_state], dim=1)  # (b, F + R, H)
+    L = mb["input_ids"].shape[1]
+    t = torch.arange(L, device=lead.device)[None]  # (1, L)
+    where = torch.where(t < first[:, None], t, F + t - first[:, None]).clamp(max=h.shape[1] - 1)  # (b, L)
+    return h.gather(1, where[..., None].expand(-1, -1, h.shape[-1]))  # (b, L, H); padding columns: any state
+
+
+def padded_tokens(plan: list[torch.Tensor], first_len, rest_len, group) -> int:
+    """The tokens a plan's micro-batches run: each distinct first prompt once, every row padded to its micro-batch's
+    longest rest (micro_batch_plan's cost, less its fixed cost per pass)."""
+    first, rest, groups = (torch.as_tensor(x).tolist() for x in (first_len, rest_len, group))
+    return sum(
+        len({groups[i] for i in p.tolist()}) * max(first[i] for i in p.tolist())
+        + len(p) * max(rest[i] for i in p.tolist())
+        for p in plan
+    )
+
+
+def micro_batch_plan(first_len, rest_len, group, max_rows: int, overhead: int = 64) -> list[torch.Tensor]:
+    """Cut rows into micro-batches of at most max_rows that pad the fewest tokens. Returns index tensors into the
+    given rows (every row exactly once; each micro-batch's rows in group order).
+
+    A micro-batch runs each distinct first prompt once and pads every row's rest to its longest, so it costs
+    (distinct groups) x (longest first prompt) + rows x (longest rest) tokens, plus `overhead` tokens' worth of fixed
+    cost per pass. Multi-turn rest lengths are ragged (one turn played or five: 40 to 570 tokens on the tiny
+    FrozenLake), and one micro-batch of them is mostly padding (2-3x the real tokens). Rows sorted by rest length
+    are cut into contiguous runs by dynamic programming: the cheapest cut of that order. The gradient is the same
+    (micro_batch_weight makes any split add up to the mini-batch loss); only the float summation order changes.
+    first_len, rest_len, group: (n,) each, tensors or lists.
+    """
+    first, rest, groups = (torch.as_tensor(x).tolist() for x in (first_len, rest_len, group))
+    order = sorted(range(len(rest)), key=lambda i: (rest[i], groups[i]))
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)  # best[j]: cheapest plan of order[:j]
+    for j in range(1, len(order) + 1):
+        seen, longest_first = set(), 0
+        for i in range(j - 1, max(j - max_rows, 0) - 1, -1):  # the last micro-batch is order[i:j]
+            seen.add(groups[order[i]])
+            longest_first = max(longest_first, first[order[i]])
+            cost = best[i] + len(seen) * longest_first + (j - i) * rest[order[j - 1]] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    plan, j = [], len(order)
+    while j > 0:
+        rows = sorted(order[cut[j] : j], key=lambda i: (groups[i], i))
+        plan.append(torch.tensor(rows, dtype=torch.long))
+        j = cut[j]
+    return plan[::-1]

@@ -1,0 +1,367 @@
+"""Run management: the run directory, metrics files, checkpoints and resume, Ctrl-C / SIGTERM, timers, the progress
+bar and the echo-trap warnings: everything in a script's main() that is not the algorithm.
+
+checkpoints/step-000040/ holds policy/ (a save_pretrained model + tokenizer, loadable on its own), state.pt (critic,
+optimizers, RNG states, step, history) and COMPLETE, written last. It is built under a temporary name and renamed
+into place, so a crash mid-save never leaves a half checkpoint that looks whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plumbing.flags import fail
+from plumbing.report import build_report, read_jsonl
+
+
+class Metrics:
+    """Appends one JSON object per line to `path` (flushed every write so a crashed run keeps its history)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        clean = {k: (float(v) if isinstance(v, (np.floating, torch.Tensor)) else v) for k, v in record.items()}
+        self._f.write(json.dumps(clean, allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def prepare_run_dir(out_dir: Path, resume: bool, overwrite: bool) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run. Refuses to mix two runs in one directory."""
+    out_dir = Path(out_dir)
+    has_run = (out_dir / "metrics.jsonl").exists() or (out_dir / "checkpoints").exists()
+    if resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            fail("--resume", f"no complete checkpoint under {out_dir / 'checkpoints'}")
+        return ckpt
+    if has_run and not overwrite:
+        fail(
+            "--output-dir", f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it"
+        )
+    for name in ("metrics.jsonl", "rollouts.jsonl", "report.html", "config.json"):
+        (out_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(out_dir / "warmup", ignore_errors=True)
+    return None
+
+
+def _load_state(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)  # weights_only: a checkpoint cannot run code
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """Newest complete checkpoint; torn or partial ones are skipped with a warning."""
+    root = Path(out_dir) / "checkpoints"
+    for ckpt in sorted(root.glob("step-*"), reverse=True) if root.exists() else []:
+        try:
+            if not (ckpt / "COMPLETE").exists() or not (ckpt / "policy" / "config.json").exists():
+                raise ValueError("incomplete")
+            _load_state(ckpt / "state.pt")
+            return ckpt
+        except Exception as e:  # noqa: BLE001 - any damage means: do not resume from this one
+            print(f"warning: skipping damaged checkpoint {ckpt} ({type(e).__name__}: {e})", file=sys.stderr)
+    return None
+
+
+def rng_state(*generators: torch.Generator) -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": [torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+        "generators": [g.get_state() for g in generators],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict, *generators: torch.Generator) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(tuple(x.numpy() if torch.is_tensor(x) else x for x in state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    for g, s in zip(generators, state["generators"]):
+        g.set_state(s)
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(out_dir: Path, step: int, policy, tok, state: dict, keep: int = 2) -> Path:
+    """Write checkpoints/step-<step> atomically and keep only the newest `keep` checkpoints."""
+    root = Path(out_dir) / "checkpoints"
+    final, tmp = root / f"step-{step:06d}", root / f".step-{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp / "policy")
+    tok.save_pretrained(tmp / "policy")
+    torch.save(state, tmp / "state.pt")
+    (tmp / "COMPLETE").write_text(f"{step}\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint_state(ckpt: Path) -> dict:
+    return _load_state(Path(ckpt) / "state.pt")
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the lines of a metrics/rollouts file up to `last_step` (and drop a torn last line): on resume, the
+    steps after the checkpoint are run again, so they must not appear twice."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM ask the loop to checkpoint and stop at the next step boundary; a second Ctrl-C stops now."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(
+            f"\n{self.requested}: finishing this step, then saving a checkpoint and stopping "
+            "(press Ctrl-C again to stop at once)",
+            file=sys.stderr,
+        )
+
+
+#### The run: everything in main() that is not the algorithm ##########################################################
+
+
+class Run:
+    """Start or resume a run, and after every step write its metrics, checkpoint it, and stop cleanly on a signal.
+
+    main() builds the models, then hands this object what a checkpoint must hold; from there main() reads as the
+    algorithm (rollout -> filter -> old log-probs -> advantages -> update -> log) and this object does the rest:
+      * start: config.json (fresh run), or resume: optimizer / critic / RNG state back, metrics.jsonl and
+        rollouts.jsonl cut back to the checkpoint's step, time_s continuing where it stopped;
+      * per step: phase timers (`with run.timer("gen"):`), the echo-trap check, metrics.jsonl, report.html after
+        every evaluation (and every evaluation printed), the progress bar, the non-finite-update guard,
+        checkpoints every --save-every steps, and the Ctrl-C / SIGTERM stop with a copy-pasteable resume command.
+    """
+
+    def __init__(self, args, task: str, resume_from: Path | None, policy, tok, state: dict, config: dict):
+        """state: what a checkpoint holds besides the policy, by name: optimizers, the critic (None: nothing),
+        torch.Generators (saved with the RNG states). config: extra entries for config.json."""
+        self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
+        self.generators = [v for v in state.values() if isinstance(v, torch.Generator)]
+        self.state = {k: v for k, v in state.items() if v is not None and not isinstance(v, torch.Generator)}
+        self.out_dir = Path(args.output_dir)
+        self.resume_from = resume_from
+        self.start_step, self.history, self.warned, self.skipped_in_a_row, self.time_before = 1, [], set(), 0, 0.0
+        if resume_from is None:
+            (self.out_dir / "config.json").write_text(json.dumps(dict(dataclasses.asdict(args), **config), indent=1))
+        else:
+            saved = load_checkpoint_state(resume_from)
+            for name, obj in self.state.items():
+                obj.load_state_dict(saved[name])
+            set_rng_state(saved["rng"], *self.generators)
+            self.start_step, self.history = saved["step"] + 1, saved["history"]
+            self.warned, self.skipped_in_a_row = set(saved["warned"]), saved["skipped_in_a_row"]
+            self.time_before = float(saved.get("time_s", 0.0))
+            for name in ("metrics.jsonl", "rollouts.jsonl"):  # the steps after the checkpoint will be run again
+                truncate_jsonl(self.out_dir / name, saved["step"])
+            write_line(f"resumed from {resume_from} at step {saved['step']}")
+        self.metrics = Metrics(self.out_dir / "metrics.jsonl")
+        self.rollouts = Metrics(self.out_dir / "rollouts.jsonl")
+        self.stop = GracefulStop()
+        self.t_start = time.time()
+        self.timings: dict[str, float] = {}
+        self._running: list[str] = []
+        self.last_val = float("nan")
+        self.bar = None
+
+    @property
+    def fresh(self) -> bool:
+        return self.resume_from is None
+
+    def time_s(self) -> float:
+        """Seconds of this run so far, earlier segments (before a resume) included."""
+        return self.time_before + time.time() - self.t_start
+
+    def timer(self, name: str):
+        """`with run.timer("update"):` adds the block's seconds to timing_s/update. Time inside `eval` counts only
+        there (evaluation generates too, and that is not training-rollout generation)."""
+        run = self
+
+        class _Timer:
+            def __enter__(self):
+                self.t = time.time()
+                run._running.append(name)
+
+            def __exit__(self, *exc):
+                run._running.pop()
+                if "eval" not in run._running:
+                    run.timings[name] = run.timings.get(name, 0.0) + time.time() - self.t
+
+        return _Timer()
+
+    def eval_due(self, step: int) -> bool:
+        return step == self.args.steps or bool(self.args.eval_every and step % self.args.eval_every == 0)
+
+    def write_rollouts(self, records) -> None:
+        for r in records:
+            self.rollouts.write(r)
+
+    def steps(self, desc: str):
+        """The training steps still to run, under a progress bar; phase timers start afresh each step."""
+        self.bar = tqdm_bar(
+            range(self.start_step, self.args.steps + 1), desc=desc, initial=self.start_step - 1, total=self.args.steps
+        )
+        for step in self.bar:
+            self.timings, self.t_step = {}, time.time()
+            yield step
+
+    def log_eval(self, step: int, val: dict, records) -> None:
+        """Step 0's evaluation (before any update): its own metrics line, rollouts and a first report."""
+        self.write_rollouts(records)
+        self.metrics.write({"step": step, **val, "time_s": self.time_s(), "timestamp": time.time()})
+        self._print_eval(step, val)
+        build_report(self.out_dir)
+
+    def _print_eval(self, step: int, record: dict) -> None:
+        self.last_val = record["val/success"]
+        shown = "  ".join(f"{k} {record[k]:.3f}" for k in ("val/success", "val/reward") if k in record)
+        write_line(f"step {step}  {shown}")
+
+    def end_step(self, step: int, record: dict, skipped: int) -> None:
+        """Everything after the update: timers, warnings, metrics line, report, bar, guards, checkpoint, stop."""
+        args = self.args
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        timings = dict(self.timings)
+        if "rollout" in timings:  # the rollout's time that was not generation: the environment and tokenising
+            timings["env"] = timings.pop("rollout") - timings.get("gen", 0.0)
+        record.update({f"timing_s/{k}": v for k, v in timings.items()})
+        self.history.append({k: v for k, v in record.items() if k in ("rollout/in_group_std", "actor/grad_norm")})
+        if skipped:
+            write_line(
+                f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient "
+                f"({self.skipped_in_a_row} step(s) in a row)"
+            )
+        for msg in echo_trap_warnings(self.history, self.warned):
+            write_line(f"[echo-trap warning, step {step}] {msg}")
+            record["warn/echo_trap"] = 1
+        record["timing_s/step"] = time.time() - self.t_step
+        record["time_s"], record["timestamp"] = self.time_s(), time.time()
+        self.metrics.write(record)
+        if "val/success" in record:
+            self._print_eval(step, record)
+            build_report(self.out_dir)
+        self.bar.set_postfix(
+            {
+                "succ": f"{record['train/success']:.2f}",
+                "val": f"{self.last_val:.2f}",
+                "std": f"{record['rollout/in_group_std']:.3f}",
+                "ent": f"{record.get('actor/entropy', 0):.2f}",
+            }
+        )
+        if self.skipped_in_a_row >= args.max_skipped:
+            fail(
+                "--max-skipped",
+                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
+                f"without saving. Last good checkpoint: {latest_checkpoint(self.out_dir) or 'none'}",
+            )
+        if step == args.steps or (args.save_every and step % args.save_every == 0) or self.stop.requested:
+            path = self.checkpoint(step)
+            if self.stop.requested and step < args.steps:
+                write_line(
+                    f"stopped by {self.stop.requested} after step {step}; checkpoint {path}. Continue with: "
+                    f"python {self.script} --resume --output-dir {self.out_dir}"
+                )
+                raise SystemExit(130 if self.stop.requested == "SIGINT" else 143)
+
+    def checkpoint(self, step: int) -> Path:
+        state = dict(
+            step=step,
+            rng=rng_state(*self.generators),
+            history=self.history,
+            warned=sorted(self.warned),
+            skipped_in_a_row=self.skipped_in_a_row,
+            time_s=self.time_s(),
+        )
+        state.update({name: obj.state_dict() for name, obj in self.state.items()})
+        return save_checkpoint(self.out_dir, step, self.policy, self.tok, state)
+
+    def finish(self, extra: str = "") -> None:
+        """Close the files and print the final line: steps, time, last val/success, where the policy and report are."""
+        self.metrics.close()
+        self.rollouts.close()
+        evals = [r for r in read_jsonl(self.out_dir / "metrics.jsonl") if "val/success" in r]
+        last = latest_checkpoint(self.out_dir)  # none when --steps 0
+        write_line(
+            f"done: {self.args.steps} steps in {self.time_s():.0f}s, final val/success "
+            f"{evals[-1]['val/success']:.3f}{extra}; policy: {last / 'policy' if last else 'none saved'}; "
+            f"report: {build_report(self.out_dir)}"
+        )
+
+
+def tqdm_bar(iterable, **kw):
+    from tqdm import tqdm
+
+    return tqdm(iterable, dynamic_ncols=True, **kw)
+
+
+def write_line(text: str) -> None:
+    """Print above the progress bar (tqdm.write), so the bar stays on the last line."""
+    from tqdm import tqdm
+
+    tqdm.write(text)
+
+
+def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
+    """RAGEN's collapse markers, printed and counted in warn/echo_trap: the in-group reward std falls first, then the
+    entropy, and gradient-norm spikes mark the point of no return. We warn when (a) the mean in-group std over the
+    last 3 steps falls below 10% of its best earlier value (from step 8), or (b) the gradient norm exceeds 5x the
+    median of the previous 10 steps. (a) also fires on convergence (every reply the same and right): check
+    val/success, which an echo trap makes fall."""
+    out = []
+    stds = [h["rollout/in_group_std"] for h in history]
+    if len(stds) >= 8 and "std" not in warned:
+        best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
+        if best > 0 and recent < 0.1 * best:
+            warned.add("std")
+            out.append(
+                f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success"
+            )
+    norms = [h["actor/grad_norm"] for h in history if math.isfinite(h.get("actor/grad_norm", float("nan")))]
+    if len(norms) >= 6:
+        med = statistics.median(norms[-11:-1])
+        if med > 0 and norms[-1] > 5 * med:
+            out.append(f"gradient norm spiked to {norms[-1]:.3g} (median of the last 10: {med:.3g}): a collapse marker")
+    return out
