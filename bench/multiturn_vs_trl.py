@@ -142,7 +142,7 @@ def trl_worker(config_path: str) -> None:
     transformers.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     a = script_args(cfg["model_dir"], cfg["flags"], str(out_dir / "unused-run"))
-    rubric = fl.weighted_rubric(fl.RUBRIC, a.rubric_weights)
+    rubric = plumbing.flags.weighted_rubric(fl.RUBRIC, a.preset, a.rubric_weights)[0]
     rows, seed_of = [], {}
     for s in train_seeds(a):
         prompt = fl.first_messages(fl.make_env(a).reset(s), a)
@@ -213,7 +213,7 @@ def evaluate_model(model_dir: str, tok_dir: str, a: fl.Args) -> dict:
         )
 
     torch.manual_seed(a.seed)
-    val, _ = fl.evaluate(generate, tok, a, fl.weighted_rubric(fl.RUBRIC, a.rubric_weights))
+    val, _ = fl.evaluate(generate, tok, a, plumbing.flags.weighted_rubric(fl.RUBRIC, a.preset, a.rubric_weights)[0])
     return {k: round(float(v), 4) for k, v in val.items() if k in ("val/success", "val/reward", "val/num_turns")}
 
 

@@ -212,7 +212,7 @@ def world_probe(
     plumbing.cpu.seed_everything(seed)
     t0 = time.time()
     replies = plumbing.engine.hf_generate(
-        model, tok, prompts, 1e-4, 1.0, 128, 64
+        model, tok, prompts, 1e-4, 1.0, 128, batch_size=64
     )  # temperature ~0: the model's best guess
     facts, exact, formatted, picks = {}, 0, 0, []
     for (ids, _), truth, env in zip(replies, truths, envs):

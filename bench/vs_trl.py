@@ -369,7 +369,7 @@ def generation_throughput(
         attn[i, width - len(p) :] = 1
 
     def run_hf():
-        replies = plumbing.engine.hf_generate(model, tok, prompts, 1.0, 1.0, max_tokens, len(prompts))
+        replies = plumbing.engine.hf_generate(model, tok, prompts, 1.0, 1.0, max_tokens, batch_size=len(prompts))
         return sum(len(ids) for ids, _ in replies)
 
     @torch.no_grad()

@@ -113,3 +113,17 @@ def resolve_precision(precision: str, device: str) -> str:
     if precision != "auto":
         return precision
     return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def setup(device: str, precision: str) -> tuple[str, str]:
+    """What a script does first, before any model work: on a CPU, glibc keeps freed memory (keep_freed_memory) and
+    torch's threads are chosen (thread_policy); --precision auto is resolved; transformers' progress bars go quiet
+    (the run's own bar is the one that counts). Returns (threads, precision) for the start-up line."""
+    import transformers
+
+    if device == "cpu":
+        keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
+    threads = thread_policy() if device == "cpu" else "torch's default"
+    precision = resolve_precision(precision, device)
+    transformers.utils.logging.disable_progress_bar()
+    return threads, precision

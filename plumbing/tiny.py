@@ -465,3 +465,33 @@ def world_model_warmup(
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
     return str(out)
+
+
+def self_play(make_env, seeds, first_messages, feedback_message, reply, max_turns: int, budget: int, seed: int = 0):
+    """Warm-up transcripts from self-play: one (chat messages, last reply) pair per episode, the last reply's
+    messages holding the whole episode so far (sft_rows trains every reply in it), built from exactly the messages
+    a multi-turn rollout produces. Each turn, reply(rng, env, moves_left) -> (moves, think) says what to play and
+    think; the episode ends when the environment says done, the move budget is spent or after max_turns. The
+    script's reply function draws its moves uniformly at random: nothing here prefers a good move."""
+    rng = random.Random(seed)
+    examples = []
+    for s in seeds:
+        env = make_env()
+        messages = first_messages(env.reset(s))
+        left = budget
+        for turn_no in range(1, max_turns + 1):
+            moves, thought = reply(rng, env, left)
+            text = f"<think> {thought} </think> <answer> {' || '.join(moves)} </answer>"
+            last = (list(messages), text)  # the whole episode so far: the warm-up trains every reply in it
+            reward, done = 0.0, False
+            for m in moves:
+                obs, r, done, _ = env.step(m)
+                reward, left = reward + r, left - 1
+                if done:
+                    break
+            if done or left <= 0:
+                break
+            feedback = feedback_message(reward, turn_no + 1, obs, left)
+            messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": feedback}]
+        examples.append(last)
+    return examples

@@ -64,14 +64,9 @@ def make_corridor_script(folder):
         old_rules, 'RULES = "Corridor: reach G. Moves: Left, Right. Up to {per_turn} a turn, {per_traj} in all."\n'
     )
     (folder / "starpo_corridor.py").write_text(text)
-    for name in (
-        "common.py",
-        "flags.py",
-        "report.py",
-        "starpo_sokoban.py",
-        "starpo_bandit.py",
-    ):  # plumbing, copies. sources
+    for name in ("common.py", "starpo_sokoban.py", "starpo_bandit.py"):  # the maths, the copies' sources
         shutil.copy(ROOT / name, folder / name)
+    shutil.copytree(ROOT / "plumbing", folder / "plumbing")
     shutil.copytree(ROOT / "tools", folder / "tools")
 
 

@@ -199,7 +199,7 @@ def test_generation_logprobs_match_update_pass(tiny):
         for s in range(4)
     ]
     prompts = [full[0], full[1][9:], full[2][3:], full[3], full[0]]  # ragged lengths force left padding
-    replies = plumbing.engine.hf_generate(model, tok, prompts, 0.7, 1.0, 24, 64)
+    replies = plumbing.engine.hf_generate(model, tok, prompts, 0.7, 1.0, 24, batch_size=64)
     trajs = [sb.Trajectory(0, p, r, lp, None, 0.0, {}) for p, (r, lp) in zip(prompts, replies)]
     batch = sb.collate(trajs, tok.pad_token_id, "cpu")
     with torch.no_grad():
@@ -329,7 +329,7 @@ def test_help_answers_before_torch_loads(script):
     )
     assert r.returncode == 0 and "--group-size" in r.stdout and "--seed" in r.stdout, r.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert "flags" in imported and "argparse" in imported  # the log is what we think it is
+    assert "plumbing.flags" in imported and "argparse" in imported  # the log is what we think it is
     assert not imported & {"torch", "numpy", "transformers", "common"}, sorted(imported & {"torch", "numpy"})
     assert "(default: None)" not in r.stdout  # every flag says its default in words, or has a real one
 

@@ -1253,7 +1253,7 @@ def probe_in_subprocess(tmp_path, endpoint: str, model_id: str = "someorg/somemo
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))
     code = (
-        "import time, common\n"
+        "import time, common, plumbing.flags\n"
         "t = time.perf_counter()\n"
         f"ok = plumbing.flags.model_is_reachable({model_id!r})\n"
         "print(ok, time.perf_counter() - t)\n"
@@ -1357,7 +1357,7 @@ def test_keep_freed_memory_sets_glibc_malloc_unless_the_environment_does():
 FAULTS = r"""
 import resource, sys, torch
 sys.path.insert(0, {root!r})
-import common
+import plumbing.cpu
 kept = plumbing.cpu.keep_freed_memory() if {keep} else False
 counts = []
 for _ in range(6):  # a 64 MB tensor written and freed, six times

@@ -5,8 +5,11 @@ import contextlib
 import copy
 import json
 import math
+import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from fractions import Fraction
@@ -24,7 +27,7 @@ import plumbing.run
 import plumbing.tiny
 from plumbing import report
 import starpo_frozenlake as fl
-from conftest import TURN_RECORD_KEYS, FakeTok, run_script_file, scripted
+from conftest import ROOT, TURN_RECORD_KEYS, FakeTok, run_script_file, scripted
 
 OPEN_4X4 = ["FFFF", "FSFF", "FFFF", "FFFG"]  # no holes: the player at (1, 1)
 UNUSED_DIR = str(Path(tempfile.gettempdir()) / "frozenlake-test-args-never-written")  # resolve_args needs a run dir
@@ -256,7 +259,9 @@ def on_map(desc, slippery=False):
 
 def run_on(desc, generate, tok, args, seeds=(0,), temperature=1.0, slippery=False):
     with on_map(desc, slippery):
-        return fl.rollout(generate, tok, list(seeds), args, temperature, fl.RUBRIC)
+        return fl.rollout(
+            generate, tok, list(seeds), args, temperature, plumbing.flags.weighted_rubric(fl.RUBRIC, "paper")[0]
+        )
 
 
 # The rollout's mechanics are tested on RAGEN's observation, budget and rubric, whatever the tiny preset turns on.
@@ -330,7 +335,8 @@ def test_progress_counts_steps_nearer_the_goal_and_a_hole_as_minus_one():
     assert [turn.parts["progress"] for turn in t.turns] == [2.0, -1.0, -1.0, 2.0]
     t, _ = play(["Right || Left"], ["SHFG", "FFFF", "FFFF", "FFFF"])
     assert t.turns[0].parts["progress"] == -1.0  # into the hole (one step nearer the goal, but it ends there)
-    assert dict((fn.__name__, w) for fn, w in fl.RUBRIC)["progress"] == 0.0  # log only unless weighted
+    paper, tiny = (dict(plumbing.flags.weighted_rubric(fl.RUBRIC, preset)[0]) for preset in ("paper", "tiny"))
+    assert paper[fl.progress] == 0.0 and tiny[fl.progress] == 0.5  # log only with the paper preset, 0.5 with tiny
 
 
 def test_observation_shows_reward_lake_and_moves_left():
@@ -374,7 +380,7 @@ def test_first_prompt_that_does_not_fit_gets_no_turn():
     stats = fl.episode_stats([t], "train")
     assert stats["train/num_turns"] == 0 and stats["train/action_is_valid"] == 0.0
     (row,) = fl.training_rows([t], None)
-    assert sum(row.mask) == 0 and not fl.place_rewards([row], [t], len(row.ids), True).any()
+    assert sum(row.mask) == 0 and not fl.place_rewards([row], [t], len(row.ids)).any()
 
 
 def test_truncated_reply_is_closed_untrained_and_flagged():
@@ -421,13 +427,11 @@ def test_training_rows_place_turn_rewards_on_last_sampled_tokens():
     assert [turn.reward for turn in t.turns] == pytest.approx([-0.1, 0.0, 1.0])
     (row,) = fl.training_rows([t], None)
     assert row.ids == t.ids and all(row.mask[i] == 1 for i in t.turn_last_index)
-    placed = fl.place_rewards([row], [t], len(row.ids) - 1, True)[0]  # column c scores token c + 1
+    placed = fl.place_rewards([row], [t], len(row.ids) - 1)[0]  # column c scores token c + 1
     want = {t.turn_last_index[0]: -0.1, t.turn_last_index[2]: 1.0}  # turn 2 earned 0
     assert {c + 1: v for c, v in enumerate(placed.tolist()) if v} == pytest.approx(want)
-    placed = fl.place_rewards([row], [t], len(row.ids) - 1, False)[0]
-    assert {c + 1: v for c, v in enumerate(placed.tolist()) if v} == pytest.approx({t.turn_last_index[-1]: 0.9})
     rows = fl.training_rows([t], 1)  # one row per turn, return-to-go on its last token
-    placed = fl.place_rewards(rows, [t], max(len(r.ids) for r in rows), True)
+    placed = fl.place_rewards(rows, [t], max(len(r.ids) for r in rows))
     assert [placed[i].sum().item() for i in range(3)] == pytest.approx([0.9, 1.0, 1.0])
     for j, r in enumerate(rows):
         context = t.ids[: t.first_len] + t.ids[t.turn_prompt_start[j] : t.turn_start[j]]
@@ -504,7 +508,7 @@ def recorded_rollout(tiny, flags, n=6, temperature=0.8):
     record = []
 
     def generate(prompts, temp, turn_cache):
-        out = plumbing.engine.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 64, turn_cache)
+        out = plumbing.engine.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, turn_cache, 64)
         record.append((prompts, out))
         return out
 
@@ -979,3 +983,78 @@ def test_world_model_warmup_runs_before_rl_and_a_resume_reuses_it(tmp_path, caps
     assert "world-model warm-up" not in capsys.readouterr().out
     assert (warm / "model.safetensors").stat().st_mtime_ns == stamp
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [0, 1, 2]
+
+
+# ---- the rubric in the file is the rubric that runs -----------------------------------------------------------------
+
+
+def test_each_weight_says_where_it_came_from():
+    rubric, source = plumbing.flags.weighted_rubric(fl.RUBRIC, "tiny")
+    assert dict(rubric)[fl.progress] == 0.5 and source["progress"] == "file, preset tiny"
+    assert source["env_reward"] == source["format_penalty"] == "file"
+    rubric, source = plumbing.flags.weighted_rubric(fl.RUBRIC, "paper", "progress=0.3,format_penalty=0")
+    assert dict(rubric)[fl.progress] == 0.3 and source["progress"] == "--rubric-weights"
+    assert dict(rubric)[fl.format_penalty] == 0.0 and source["env_reward"] == "file"
+    with pytest.raises(ValueError, match="NAME=WEIGHT"):
+        plumbing.flags.weighted_rubric(fl.RUBRIC, "tiny", "progres=1")
+
+
+def test_a_weight_edited_in_a_copy_of_the_script_is_the_weight_trained(tmp_path):
+    """A workshop edit: RUBRIC's progress weight set to 0.2 in a copy of the script. The start-up line says so (and
+    that it came from the file), and every training turn's score is the weighted sum with 0.2."""
+    src = (ROOT / "starpo_frozenlake.py").read_text()
+    old = '    (progress, {"tiny": 0.5}),'
+    assert src.count(old) == 1
+    (tmp_path / "starpo_frozenlake.py").write_text(src.replace(old, "    (progress, 0.2),"))
+    out = tmp_path / "run"
+    flags = ["--steps", "1", "--n-groups", "2", "--group-size", "4", "--val-size", "4", "--eval-every", "0"]
+    flags += ["--sample-every", "0", "--log-rollouts-every", "1", "--output-dir", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the copy imports common and plumbing from the repository
+    r = subprocess.run(
+        [sys.executable, str(tmp_path / "starpo_frozenlake.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "0.2 * progress [file]" in r.stdout and "0.1 * format_penalty [file]" in r.stdout
+    train = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    turns = [turn for rec in train if rec["split"] == "train" for turn in rec["turns"]]
+    assert turns and any(turn["rubric"]["progress"] != 0 for turn in turns)
+    for turn in turns:
+        parts = turn["rubric"]
+        expected = parts["env_reward"] + 0.1 * parts["format_penalty"] + 0.2 * parts["progress"]
+        assert turn["score"] == pytest.approx(expected)
+
+
+def progress_as_meant(t) -> float:
+    """WORKSHOP.md's per-move component: progress of the moves that went as meant; a slipped move pays nothing."""
+    states = [t.before] + [info["after"] for info in t.infos]
+    total = 0.0
+    for a, b, info in zip(states, states[1:], t.infos):
+        (r0, c0), (r1, c1), (gr, gc) = a["player"], b["player"], b["goal"]
+        total += 0.0 if info["slipped"] else abs(gr - r0) + abs(gc - c0) - abs(gr - r1) - abs(gc - c1)
+    return total
+
+
+def test_each_move_shows_the_world_after_it_and_whether_it_slipped():
+    """Turn.infos holds every played move's world after it (`after`) and, on the lake, whether the ice slipped it, so
+    a per-move component (progress_as_meant, WORKSHOP.md) is one small function."""
+    t, _ = play(["Right || Right", "Down || Down", "Left || Down"], OPEN_4X4, "--max-turns", "3", slippery=True)
+    infos = [info for turn in t.turns for info in turn.infos]
+    assert len(infos) >= 4 and any(i["slipped"] for i in infos) and not all(i["slipped"] for i in infos)
+    for turn in t.turns:
+        states = [turn.before] + [info["after"] for info in turn.infos]
+        assert states[-1] == turn.after  # the moves chain from the world before the turn to the world after it
+        per_move = [b["player"] != a["player"] for a, b in zip(states, states[1:])]
+        assert per_move == [info["action_is_effective"] for info in turn.infos]
+        # summed over every move, slips included, per-move progress is the turn's own progress (it telescopes)
+        goal = turn.after["goal"]
+        dist = [abs(goal[0] - s["player"][0]) + abs(goal[1] - s["player"][1]) for s in states]
+        assert sum(a - b for a, b in zip(dist, dist[1:])) == turn.parts["progress"]
+        assert progress_as_meant(turn) == sum(a - b for a, b, i in zip(dist, dist[1:], turn.infos) if not i["slipped"])
+    env = fl.FrozenLakeEnv(desc=OPEN_4X4, slippery=False)
+    env.reset(0)
+    assert env.step("Up")[3]["slipped"] is False  # moves that always succeed never slip

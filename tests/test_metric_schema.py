@@ -21,9 +21,14 @@ def generate(prompts, temperature, turn_cache=None):
     return [(tok(REPLY)["input_ids"] + [1], [-0.5] * (len(REPLY) + 1)) for _ in prompts]
 
 
+def paper_rubric(script):
+    """The script's RUBRIC as the paper preset runs it: [(function, weight)]."""
+    return plumbing.flags.weighted_rubric(script.RUBRIC, "paper")[0]
+
+
 def multi_turn(script, seeds=(1, 2, 3)):
     args = script.Args(max_turns=3)
-    trajs = script.rollout(generate, FakeTok(), list(seeds), args, 1.0, script.RUBRIC)
+    trajs = script.rollout(generate, FakeTok(), list(seeds), args, 1.0, paper_rubric(script))
     return {**script.episode_stats(trajs, "train"), **script.reply_stats(trajs)}, trajs
 
 
@@ -49,7 +54,7 @@ def test_multi_turn_scripts_log_the_same_keys_with_the_same_values():
 def test_train_and_val_splits_share_their_keys():
     for script in (fl, ss):
         args = script.Args(max_turns=3, val_size=2)
-        val, _ = script.evaluate(generate, FakeTok(), args, script.RUBRIC)
+        val, _ = script.evaluate(generate, FakeTok(), args, paper_rubric(script))
         train = script.episode_stats(multi_turn(script)[1], "train")
         assert {k.split("/", 1)[1] for k in val} == {k.split("/", 1)[1] for k in train}, script.__name__
 

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 import plumbing.engine
+import plumbing.flags
 import plumbing.forward
 import plumbing.run
 import plumbing.tiny
 import starpo_sokoban as ss
 from conftest import TURN_RECORD_KEYS, run_script_file
+
+RUBRIC = plumbing.flags.weighted_rubric(ss.RUBRIC, "paper")[0]  # [(function, weight)] as the paper preset runs it
 
 # ---- rules ------------------------------------------------------------------------------------------------------
 
@@ -312,7 +315,7 @@ def reply(*moves, think="t") -> str:
 def run_scripted(tok, seed: int, turns: list[str], **kw):
     args = ss.Args(max_tokens=32, **kw)
     log = []
-    (traj,) = ss.rollout(scripted(tok, turns, log), tok, [seed], args, 1.0, ss.RUBRIC)
+    (traj,) = ss.rollout(scripted(tok, turns, log), tok, [seed], args, 1.0, RUBRIC)
     return traj, log, args
 
 
@@ -417,35 +420,6 @@ def test_max_context_turns_prompts_and_rows(tiny):
         assert sum(row.mask) == len(reply_ids) and row.mask[-len(reply_ids) :] == [1] * len(reply_ids)
 
 
-def test_max_context_turns_zero_shows_each_turn_alone(tiny):
-    """--max-context-turns 0: turn 1 sees the first prompt; every later turn a conversation of its own, the rules
-    and that turn's feedback (the state) with no earlier reply in it; each turn its own training row, its reply
-    tokens exactly as sampled (taken from the transcript, ids, which still holds the whole episode)."""
-    _, tok = tiny
-    moves = ["Up", "Left", "Down"]
-    traj, log, args = run_scripted(
-        tok, unsolved_seed(moves), [reply(m) for m in moves], max_context_turns=0, max_turns=3
-    )
-    assert log[0][0] == traj.ids[: traj.first_len] and len(log) == len(traj.turns) == 3
-    left = args.max_actions_per_traj
-    for j in range(1, 3):
-        left -= len(traj.turns[j - 1].actions)
-        feedback = ss.feedback_message(traj.turns[j - 1].reward, j + 1, traj.turns[j].state, left)
-        text = tok.apply_chat_template(
-            ss.first_messages(None, args, feedback), add_generation_prompt=True, tokenize=False
-        )
-        assert log[j][0] == tok(text, add_special_tokens=False)["input_ids"]
-        shown = tok.decode(log[j][0]).count("<answer>")
-        assert shown == tok.decode(log[0][0]).count("<answer>")  # the format instruction's: no earlier reply
-    rows_ = ss.training_rows([traj], 0)
-    assert [r.turn_ids for r in rows_] == [[0], [1], [2]]
-    for j, row in enumerate(rows_):
-        reply_ids = traj.ids[traj.turn_start[j] : traj.turn_last_index[j] + 1]
-        assert row.ids == log[j][0] + reply_ids and row.first_len == len(log[j][0])
-        assert row.mask == [0] * len(log[j][0]) + [1] * len(reply_ids)
-        assert row.gen_logprobs[row.first_len :] == traj.gen_logprobs[traj.turn_start[j] : traj.turn_last_index[j] + 1]
-
-
 def test_place_rewards_full_history_and_per_turn(tiny):
     _, tok = tiny
     traj, _, _ = run_scripted(
@@ -530,7 +504,7 @@ def test_hidden_states_runs_each_first_prompt_once_and_equals_a_full_pass(tiny):
         torch.testing.assert_close(x, y, atol=5e-5 * max(1.0, y.abs().max().item()), rtol=1e-3)
 
 
-@pytest.mark.parametrize("k", [None, 1, 0])
+@pytest.mark.parametrize("k", [None, 1])
 def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     """Cross-turn KV reuse is exact: under the same random stream a rollout that prefills only each turn's new
     tokens samples the same tokens with the same log-probs as one that prefills the whole episode every turn, across
@@ -543,13 +517,13 @@ def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     def generate(prompts, temp, turn_cache):
         caches.append(turn_cache)
         calls.append(len({(i // 4, tuple(p)) for i, p in enumerate(prompts)}))  # distinct prompts per chunk of 4
-        return plumbing.engine.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, 4, turn_cache)
+        return plumbing.engine.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, turn_cache, 4)
 
     runs = []
     for reuse in (False, True):
         torch.manual_seed(0)
         gen = generate if reuse else (lambda prompts, temp, turn_cache: generate(prompts, temp, None))
-        runs.append(ss.rollout(gen, tok, [10**9 + i // 2 for i in range(6)], args, 0.7, ss.RUBRIC))
+        runs.append(ss.rollout(gen, tok, [10**9 + i // 2 for i in range(6)], args, 0.7, RUBRIC))
     full, reused = runs
     assert [t.ids for t in full] == [t.ids for t in reused]
     for a, b in zip(full, reused):
@@ -565,7 +539,7 @@ def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     )
 
 
-@pytest.mark.parametrize("k", [None, 1, 0])
+@pytest.mark.parametrize("k", [None, 1])
 def test_generation_logprobs_match_update_pass(tiny, k):
     """hf backend, float32, real multi-turn rollouts of different lengths in one batch: the training pass re-scores
     every sampled token exactly as the sampler saw it (observation tokens in between, right padding, temperature)."""
@@ -573,9 +547,9 @@ def test_generation_logprobs_match_update_pass(tiny, k):
     torch.manual_seed(0)
     args = ss.Args(max_tokens=64, max_context_turns=k)
     gen = lambda prompts, temp, cache: plumbing.engine.hf_generate(
-        model, tok, prompts, temp, 1.0, args.max_tokens, 64, cache
+        model, tok, prompts, temp, 1.0, args.max_tokens, cache, 64
     )  # noqa: E731
-    trajs = ss.rollout(gen, tok, [10**9 + i for i in range(6)], args, 0.7, ss.RUBRIC)
+    trajs = ss.rollout(gen, tok, [10**9 + i for i in range(6)], args, 0.7, RUBRIC)
     rows_ = ss.training_rows(trajs, k)
     assert len({len(r.ids) for r in rows_}) >= 3  # ragged
     batch = ss.collate(rows_, tok.pad_token_id, "cpu")

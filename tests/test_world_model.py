@@ -186,7 +186,7 @@ def test_the_warmed_up_tiny_model_reads_the_state_on_held_out_maps(m):
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
         envs.append(env)
     torch.manual_seed(0)
-    replies = plumbing.engine.hf_generate(model, tok, prompts, 1e-4, 1.0, 48, 16)
+    replies = plumbing.engine.hf_generate(model, tok, prompts, 1e-4, 1.0, 48, batch_size=16)
     words = consistent = copied = 0
     for (ids, _), env in zip(replies, envs):
         think, answer = m.parse_reply(tok.decode(ids, skip_special_tokens=True))
