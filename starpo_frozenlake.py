@@ -13,9 +13,8 @@ GAE) or GRPO. StarPO-S, the default, keeps only the 25% of groups whose rewards 
 filtering), drops the KL term, and clips asymmetrically (0.2 / 0.28) with a dual clip of 3 for negative advantages.
 
     python starpo_frozenlake.py                                     # CPU: the embedded tiny model (tiny/)
-    python starpo_frozenlake.py --steps 20 --val-size 64            # a quicker look (README: times)
+    python starpo_frozenlake.py --no-slippery --steps 20 --val-size 64  # a quick look: about 3 minutes (README)
     python starpo_frozenlake.py --model Qwen/Qwen2.5-0.5B-Instruct  # GPU: vLLM generation, RAGEN's defaults
-    python starpo_frozenlake.py --no-slippery                       # moves always succeed (RAGEN-2's FrozenLake)
     python starpo_frozenlake.py --resume --output-dir runs/...      # continue a stopped run
 
 How it departs from RAGEN: a group shares its seed, so its members share the map and the stream of slip draws (the

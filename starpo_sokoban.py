@@ -15,7 +15,7 @@ filtering), drops the KL term, and clips asymmetrically (0.2 / 0.28) with a dual
 The +10 solve bonus dominates the in-group std, so the filter keeps the groups with mixed success.
 
     python starpo_sokoban.py                                     # CPU: the embedded tiny model (tiny/)
-    python starpo_sokoban.py --steps 20 --val-size 64            # a quicker look (README: times)
+    python starpo_sokoban.py --n-groups 4 --steps 10 --val-size 64  # a quick look: about a minute (README)
     python starpo_sokoban.py --model Qwen/Qwen2.5-0.5B-Instruct  # GPU: vLLM generation, RAGEN's defaults
     python starpo_sokoban.py --size 8 --num-boxes 2              # LargerSokoban
     python starpo_sokoban.py --resume --output-dir runs/...      # continue a stopped run

@@ -73,3 +73,9 @@ def test_plumbing_importing_a_script_or_common_importing_machinery_fails(tmp_pat
     common = root / "common.py"
     common.write_text("import transformers\n" + common.read_text())
     assert any("common.py imports transformers" in p for p in check_budgets.check(root))
+
+
+def test_a_long_readme_fails(tmp_path):
+    root = copy_tree(tmp_path)
+    (root / "README.md").write_text("x" * 25_001)
+    assert any(p.startswith("README.md: 25,001 bytes") for p in check_budgets.check(root))

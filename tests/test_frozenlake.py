@@ -53,10 +53,10 @@ def test_the_tiny_preset_beats_the_default_algorithm_and_a_typed_one_beats_the_p
     assert (paper.keep_ratio, paper.outcomes, paper.max_turns, paper.estimator) == (0.25, False, 5, "gae")
 
 
-def test_the_presets_rubric_weight_skips_a_component_an_edited_rubric_lacks(monkeypatch):
-    """The tiny preset weights `progress`; a fork whose RUBRIC has no `progress` still runs on the preset, while a
-    weight you type for a missing component is still an error."""
-    assert args_for().rubric_weights == "progress=0.5"
+def test_a_fork_whose_rubric_lacks_progress_runs_on_the_tiny_preset(monkeypatch):
+    """The tiny preset sets no rubric weight (progress's 0.5 is written in RUBRIC), so a fork whose RUBRIC has no
+    `progress` runs on the preset unchanged, while a weight you type for a missing component is still an error."""
+    assert args_for().rubric_weights == ""
     monkeypatch.setattr(fl, "RUBRIC", [(fl.env_reward, 1.0), (fl.format_penalty, 0.1)])
     assert args_for().rubric_weights == ""
     with pytest.raises(SystemExit):
@@ -403,7 +403,7 @@ def test_truncated_reply_is_closed_untrained_and_flagged():
 
 def test_rollout_record_schema_and_report_draws_the_lake():
     t, _ = play(["Right || Jump", "Down"], OPEN_4X4, "--max-turns", "2")
-    rec = fl.rollout_record(t, 3, "train")
+    rec = fl.rollout_record(t, 3, "train", fl.TASK)
     assert set(rec) == {"step", "split", "task", "seed", "success", "score", "env_reward", "turns", "final_view"}
     assert (rec["step"], rec["split"], rec["task"], rec["seed"]) == (3, "train", "frozenlake", 0)
     assert rec["score"] == pytest.approx(-0.1) and rec["env_reward"] == 0.0 and rec["success"] is False

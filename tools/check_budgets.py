@@ -7,7 +7,8 @@ signal (../STYLE.md): when a script grows past its budget, ask what moved in tha
   * each script's main(): at most 110 lines, statements nested at most 4 blocks deep (for / if / with / while / try);
   * what main() can reach: the lines of every function and class main() uses, transitively, inside its own script
     and common.py (a name it calls, a class it builds, `common.X`), within the script's file budget;
-  * imports: plumbing/ never imports a script; common.py imports nothing but math, torch and typing helpers.
+  * imports: plumbing/ never imports a script; common.py imports nothing but math, torch and typing helpers;
+  * README.md at most 25,000 bytes.
 
     python tools/check_budgets.py          # the sizes table, then every budget that is broken (exit 1 if any)
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = {"starpo_bandit.py": 1000, "starpo_frozenlake.py": 1400, "starpo_sokoban.py": 1500, "common.py": 400}
 MAIN_LINES, MAIN_NESTING = 110, 4
+README_BYTES = 25_000  # the genre's READMEs are 4-19 KB; the dated record lives in docs/RESULTS.md
 COMMON_IMPORTS = {"__future__", "math", "torch", "typing", "dataclasses"}
 BLOCKS = (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try)
 
@@ -120,6 +122,11 @@ def check(root: Path = ROOT) -> list[str]:
     for path in sorted((root / "plumbing").glob("*.py")):
         for module in sorted(imports(path) & scripts):
             problems.append(f"plumbing/{path.name} imports the script {module}: plumbing never imports a script")
+    readme = root / "README.md"
+    if readme.exists() and len(readme.read_bytes()) > README_BYTES:
+        problems.append(
+            f"README.md: {len(readme.read_bytes()):,} bytes, budget {README_BYTES:,}: the record is docs/RESULTS.md"
+        )
     extra = imports(root / "common.py") - COMMON_IMPORTS
     if extra:
         problems.append(f"common.py imports {', '.join(sorted(extra))}: it holds the maths (math and torch) only")
