@@ -18,6 +18,7 @@ vllm = pytest.importorskip(
 )
 
 import common  # noqa: E402
+import plumbing.flags  # noqa: E402
 import plumbing.tiny  # noqa: E402
 import starpo_bandit as sb  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
@@ -25,7 +26,7 @@ import starpo_sokoban as ss  # noqa: E402
 from conftest import run_script_file  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-WHY = sb.vllm_unavailable(DEVICE)
+WHY = plumbing.flags.vllm_unavailable(DEVICE)
 if WHY:
     pytest.skip(f"vllm {WHY}", allow_module_level=True)
 SCRIPTS = [sb, fl, ss]
