@@ -212,11 +212,8 @@ from plumbing import cpu, engine, forward, tiny  # noqa: E402
 from plumbing.report import episode_stats, reply_stats, rollout_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
-# Tiny-model recipe (keyword arguments of tiny.build_tiny_model): 1,500 steps of the reading stage (in-context
-# copying on random token strings, common.reading_stage), then the world-model warm-up (whole episodes, every reply
-# trained; see tiny_warmup_examples), 600 steps of 8 of 800 episodes, as FrozenLake's. After 300 steps of 8 of
-# 400 the pick matched its move's word on 0.98 of first turns but 0.59-0.83 of later ones, and RL wore that down
-# (README, "SimpleSokoban"); after 600 of 800, 0.90-0.97 on every turn.
+# The tiny model's build (tiny.build_tiny_model): a reading stage, then the world-model warm-up on self-play episodes
+# (tiny_warmup_examples), 600 steps of 8 of 800 episodes, as FrozenLake's (docs/RESULTS.md: why 600 of 800).
 TINY_BUILD = dict(sft_steps=600, sft_batch_size=8, reading_steps=1500)
 # The budget every tiny warm-up plays, whatever the run's flags (see tiny_warmup_examples): the tiny preset's.
 TINY_WARMUP_FIXED = dict(max_turns=5, max_actions_per_turn=5, max_actions_per_traj=10)
