@@ -79,3 +79,8 @@ def test_a_long_readme_fails(tmp_path):
     root = copy_tree(tmp_path)
     (root / "README.md").write_text("x" * 25_001)
     assert any(p.startswith("README.md: 25,001 bytes") for p in check_budgets.check(root))
+
+
+def test_the_readme_prints_the_sizes_the_tool_reports():
+    """The README's Files section holds `python tools/check_budgets.py`'s table as it is now (paste it after a change)."""
+    assert check_budgets.table(ROOT) in (ROOT / "README.md").read_text()
