@@ -1361,7 +1361,7 @@ def main(argv=None):
     if model_name == "tiny":
         model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD))
     if args.warmup_steps:
-        examples, out = tiny_warmup_examples(args, fixed={}), Path(args.output_dir) / "warmup"  # this run's settings
+        examples, out = (lambda: tiny_warmup_examples(args, fixed={})), Path(args.output_dir) / "warmup"  # lazy
         model_path = tiny.world_model_warmup(model_path, examples, out, args.warmup_steps, args.seed, device)
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
     write_line(

@@ -22,34 +22,23 @@ import warnings
 from pathlib import Path
 
 
-def _field_docs(cls) -> dict[str, str]:
-    """The docstring written under each dataclass field (the CleanRL / tyro convention), read from the source."""
-    docs: dict[str, str] = {}
+def _field_docs(cls) -> tuple[dict[str, str], dict[str, str]]:
+    """For each dataclass field, read from the source: the docstring written under it (the CleanRL / tyro
+    convention), and the `# ---- group ----` heading it sits under (--help's sections, "options" before any)."""
     try:
-        tree = ast.parse(inspect.getsource(cls))
+        source = inspect.getsource(cls)
     except (OSError, TypeError):
-        return docs
-    body = tree.body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        return {}, {}
+    lines, body = source.splitlines(), ast.parse(source).body[0].body
+    docs, groups = {}, {}
+    for node, nxt in zip(body, body[1:] + [None]):
+        if not isinstance(node, ast.AnnAssign):
+            continue
+        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = str(nxt.value.value).strip()
-    return docs
-
-
-def _field_groups(cls) -> dict[str, str]:
-    """The `# ---- group ----` heading each dataclass field sits under, read from the source: --help's sections."""
-    groups, current = {}, "options"
-    try:
-        lines = inspect.getsource(cls).splitlines()
-    except (OSError, TypeError):
-        return groups
-    for line in lines:
-        stripped = line.strip()
-        if stripped.startswith("# ----") and stripped.endswith("----"):
-            current = stripped.strip("#- ")
-        elif ":" in stripped and stripped.split(":")[0].isidentifier() and line.startswith("    ") and line[4] != " ":
-            groups[stripped.split(":")[0]] = current
-    return groups
+        headings = [s.strip("#- ") for s in map(str.strip, lines[: node.lineno - 1]) if s.startswith("# ----")]
+        groups[node.target.id] = headings[-1] if headings else "options"
+    return docs, groups
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -93,11 +82,12 @@ def parse_args(cls, argv=None, description: str | None = None, presets: dict | N
             formatter_class=_DefaultsFormatter,
             allow_abbrev=False,
         )
-        docs, groups, sections = _field_docs(cls), _field_groups(cls), {}
+        (docs, groups), sections = _field_docs(cls), {}
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            name = groups.get(f.name, "options")
-            section = sections.get(name) or sections.setdefault(name, parser.add_argument_group(name))
+            group = groups.get(f.name, "options")
+            if group not in sections:
+                sections[group] = parser.add_argument_group(group)
             flag = "--" + f.name.replace("_", "-")
             text = docs.get(f.name, " ")
             shown = [f"{name}: {p[f.name]}" for name, p in overrides.items() if f.name in p]
@@ -115,7 +105,7 @@ def parse_args(cls, argv=None, description: str | None = None, presets: dict | N
                 kw["choices"], kw["type"] = list(args), type(args[0])
             else:
                 kw["type"] = tp
-            section.add_argument(flag, **kw)
+            sections[group].add_argument(flag, **kw)
         return parser
 
     args = cls(**vars(build(False).parse_args(argv)))

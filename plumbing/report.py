@@ -1,4 +1,4 @@
-"""The run report: one self-contained HTML page per run directory.
+"""The run report: one self-contained HTML page per run directory, and what the scripts write for it.
 
     python -m plumbing.report runs/bandit-starpo-s-gae-s0      # (re)builds runs/bandit-starpo-s-gae-s0/report.html
 
@@ -39,7 +39,7 @@ MAX_ROLLOUTS_PER_STEP = 24
 MAX_TEXT = 4000  # characters kept of each state / reply
 
 ########################################################################################################################
-# READING A RUN
+# WRITING A RUN — what the scripts log for the report: rollout records and the episode statistics
 ########################################################################################################################
 
 
@@ -138,6 +138,11 @@ def reply_stats(trajs: list) -> dict:
         "sequence_length/mean": statistics.mean(len(t.ids) for t in trajs),
         **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
     }
+
+
+########################################################################################################################
+# READING A RUN
+########################################################################################################################
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -434,19 +434,13 @@ def build_tiny_model(
 
 
 def world_model_warmup(
-    model_path: str,
-    examples: list,
-    out: Path,
-    steps: int,
-    seed: int,
-    device: str,
-    batch_size: int = 8,
-    lr: float = 1e-5,
+    model_path: str, make_examples, out: Path, steps: int, seed: int, device: str, batch_size: int = 8, lr: float = 1e-5
 ) -> str:
     """--warmup-steps: SPA's world-model stage (arXiv 2510.15047) before RL. Fine-tunes the model on self-play
-    transcripts (the script's tiny_warmup_examples: uniformly random moves; the think states the world and what each
-    move would do, the environment's ground truth) and saves it to `out`, which then stands in for the model:
-    policy, reference, critic and --resume all start from it. Returns its path; a resumed run finds it done."""
+    transcripts (make_examples(), the script's tiny_warmup_examples: uniformly random moves; the think states the
+    world and what each move would do, the environment's ground truth) and saves it to `out`, which then stands in
+    for the model: policy, reference, critic and --resume all start from it. Returns its path; a resumed run finds
+    it done and plays no episodes."""
     out = Path(out)
     if (out / "config.json").exists():
         return str(out)
@@ -456,7 +450,7 @@ def world_model_warmup(
     tok = AutoTokenizer.from_pretrained(model_path)
     tok.pad_token = tok.pad_token or tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
-    rows = sft_rows(tok, examples)
+    rows = sft_rows(tok, make_examples())
     write_line(f"world-model warm-up: {steps} steps of {batch_size} ({len(rows)} episodes)")
     sft(model, rows, steps, batch_size, lr, tok.pad_token_id, seed, write_line, device)
     tmp = out.with_name("warmup.tmp")
