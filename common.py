@@ -10,6 +10,7 @@ Shapes: B = sequences in the batch, T = token positions, G = groups, n = group s
 
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -187,6 +188,106 @@ def filter_groups(scores: torch.Tensor, keep_ratio: float, mode: str = "std") ->
     sign = -1.0 if mode == "std" else 1.0
     ranked = sorted(range(G), key=lambda g: (sign * std[g], g))
     return torch.tensor(sorted(ranked[:k]), dtype=torch.long)
+
+
+def group_stat(scores: torch.Tensor, kind: str = "std") -> torch.Tensor:
+    """RAGEN-2's per-group filter statistic, (G, n) episode returns -> (G,) float64.
+
+    "std": the sample std (ddof 1), what RAGEN's code ranks by under the name reward_variance (rollout_filter.py
+    `rm_scores.std(-1)`, ~L428); "var": its square, the sample variance of the authors' later upstream PRs.
+    A group of one episode has no spread: zeros.
+    """
+    if kind not in ("std", "var"):
+        raise ValueError(f"unknown filter statistic {kind!r}; choose 'std' or 'var'")
+    x = scores.double()  # (G, n)
+    if x.shape[1] < 2:
+        return torch.zeros(x.shape[0], dtype=torch.float64)
+    return x.std(dim=1, unbiased=True) if kind == "std" else x.var(dim=1, unbiased=True)  # (G,)
+
+
+FILTER_STRATEGIES = ("none", "top_k", "top_k_abs", "top_p", "min_p")
+
+
+def select_groups(stat, strategy="top_p", value=0.9, prob_mode="linear", include_zero=False, eps=0.01) -> list[int]:
+    """RAGEN-2's rollout filter: the groups to train on, ascending. stat: G non-negative numbers (list or (G,)).
+
+    RAGEN's _select_top_groups, filter_type "largest" (rollout_filter.py L68-185), in its float32 arithmetic:
+      0. include_zero False drops groups with |stat| <= 1e-10 first; if none remain, keep nothing.
+      top_p linear: walk the stats in descending order summing them until the sum reaches T = value * total - eps;
+         keep the walked groups if it does, else nothing. eps is an absolute floor: a batch whose total signal is
+         below eps / value is skipped outright, and value >= 1 keeps every remaining group.
+      top_p softmax: p = softmax(stats); keep the fewest top groups whose cumulative p reaches value.
+      top_k: k = int(value * G) of all G groups (at least 1, at most what remains); top_k_abs: k = int(value).
+      min_p: keep stat >= value * max stat.
+      none: keep every group (no filter).
+    One departure: ties go to the lower group index (RAGEN's torch.sort / topk leave them unordered), judged on the
+    stats rounded to 9 decimals so that equal groups summed in another order still tie. top_k's k is
+    int(value * G + 1e-9), as filter_groups, so 0.29 * 100 keeps 29 where RAGEN's int() keeps 28.
+    """
+    if strategy not in FILTER_STRATEGIES:
+        raise ValueError(f"unknown filter strategy {strategy!r}; choose from {FILTER_STRATEGIES}")
+    if prob_mode not in ("linear", "softmax"):
+        raise ValueError(f"unknown top_p prob_mode {prob_mode!r}; choose 'linear' or 'softmax'")
+    if strategy == "top_k_abs" and not value >= 1:
+        raise ValueError(f"top_k_abs keeps int(value) groups: value must be >= 1, got {value}")
+    if strategy in ("top_k", "top_p", "min_p") and not 0 < value <= 1:
+        raise ValueError(f"{strategy} value must be in (0, 1], got {value}")
+    stat64 = torch.as_tensor(stat, dtype=torch.float64).reshape(-1)  # (G,)
+    G = stat64.numel()
+    if strategy == "none":
+        return list(range(G))
+    scores = stat64.float()  # (G,): RAGEN casts to float32, so its sums and thresholds are float32 ones
+    alive = [g for g in range(G) if include_zero or scores[g].abs() > 1e-10]
+    if not alive:
+        return []
+    rounded = stat64.tolist()
+    order = sorted(alive, key=lambda g: (-round(rounded[g], 9), g))  # descending, ties to the lower index
+    ranked = scores[order]  # (A,): the remaining stats, largest first
+    if strategy == "top_p" and value >= 1:
+        kept = alive
+    elif strategy == "top_p" and prob_mode == "softmax":
+        probs = torch.softmax(scores[alive], dim=0)  # (A,)
+        cumulative = probs[[alive.index(g) for g in order]].cumsum(0)  # (A,), in ranked order
+        k = min(torch.searchsorted(cumulative, value).item() + 1, len(alive))  # first cumulative p >= value
+        kept = order[:k]
+    elif strategy == "top_p":
+        threshold = value * scores[alive].sum() - eps  # float32, as RAGEN's
+        total, n = 0.0, 0
+        for s in ranked.tolist():
+            if total >= threshold or s <= 0:
+                break
+            total, n = total + s, n + 1
+        kept = order[:n] if total >= threshold else []
+    elif strategy in ("top_k", "top_k_abs"):
+        k = int(value * G + 1e-9) if strategy == "top_k" else int(value)  # top_k: a share of ALL groups
+        kept = order[: max(1, min(k, len(alive)))]
+    else:  # min_p
+        floor = ranked.max() * value - 1e-10  # float32
+        kept = [g for g, s in zip(order, ranked) if s >= floor]
+    return sorted(kept)
+
+
+def filter_loss_scale(kept: int, total: int, mode: str = "none") -> float:
+    """RAGEN's actor.filter_loss_scaling (agent_trainer.py L1403-1408): the factor on the policy's advantages after
+    filtering, "none" 1, "linear" kept/total, "sqrt" sqrt(kept/total), so a step that trained on few groups moves
+    the policy less. The critic's targets are not scaled."""
+    if mode not in ("none", "linear", "sqrt"):
+        raise ValueError(f"unknown filter loss scaling {mode!r}; choose 'none', 'linear' or 'sqrt'")
+    if not 0 <= kept <= total or total < 1:
+        raise ValueError(f"need 0 <= kept <= total and total >= 1, got kept={kept}, total={total}")
+    ratio = kept / total
+    return 1.0 if mode == "none" else ratio if mode == "linear" else math.sqrt(ratio)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c succeeded: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, Codex).
+
+    The chance that k samples drawn without replacement from the n include a success. RAGEN logs only the k = n
+    case ("any member succeeded", es_manager.py L349-361); this one is unbiased for every k <= n.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # exact integers, one correctly rounded division
 
 
 def policy_loss(
