@@ -290,6 +290,105 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # exact integers, one correctly rounded division
 
 
+def collapse_metrics(cross_mean, cross_sum, cols, signatures=None, ema=None) -> dict[str, float]:
+    """RAGEN-2's collapse diagnostics: how much the reasoning Z still depends on the prompt X (collapse_metrics.py
+    L298-324, L566-718). cross_mean, cross_sum: (R, N) log p(z_i | x_j), per-token mean and sum over z_i's tokens.
+
+    matched_i = L[i, cols[i]]; marginal_i = logsumexp_j L[i, j] - log N, z_i's log-density under the uniform mix of
+    the N prompts. mi_estimate = mean(matched) - mean(marginal) <= log N: near 0 when every prompt explains every
+    reasoning equally well ("template collapse"), even while the entropy H(Z|X) = -mean(matched) stays high.
+    Retrieval: does argmax_j L[i, j] (the first maximum on ties, as torch.argmax) name row i's prompt? Columns with
+    equal signatures[j] count as the same prompt; chance = mean_i (columns sharing i's signature) / N; @k looks in
+    the top min(k, 8, N) columns. marginal_std: ddof-0 std of marginal over rows; mi_zscore = mean((matched -
+    marginal) / (marginal_std + 1e-3)); the _ema variants divide by a running std s <- 0.9 s + 0.1 marginal_std kept
+    in `ema` (updated in place; the first value starts it; None: no history). _seq: the same on the sums.
+    Fewer than 2 prompts (or no rows): {} (RAGEN logs nothing then).
+    """
+    R, N = cross_mean.shape
+    if N < 2 or R == 0:
+        return {}
+    cross_mean, cross_sum = cross_mean.double().cpu(), cross_sum.double().cpu()  # (R, N) each
+    rows, col = torch.arange(R), torch.as_tensor(cols, dtype=torch.long)  # (R,), (R,)
+    out = {"mi_upper_bound": math.log(N)}
+    for tag, L in (("", cross_mean), ("_seq", cross_sum)):
+        matched = L[rows, col]  # (R,)
+        marginal = torch.logsumexp(L, dim=1) - math.log(N)  # (R,)
+        gap = matched - marginal  # (R,): log p(z|x) / p_mix(z), the pointwise information
+        std = marginal.std(unbiased=False).item()
+        if ema is not None:
+            key = "marginal_std" + tag
+            ema[key] = std if key not in ema else 0.9 * ema[key] + 0.1 * std
+        smooth = std if ema is None else ema["marginal_std" + tag]
+        h = "_seq" if tag else ""  # RAGEN's names put _seq in the middle here
+        out |= {
+            f"mi{h}_estimate": gap.mean().item(),
+            f"conditional_entropy{h}_est": -matched.mean().item(),
+            f"reasoning_entropy{h}_est": -marginal.mean().item(),
+            f"marginal_std{tag}": std,
+            f"mi_zscore{tag}": (gap / (std + 1e-3)).mean().item(),
+            f"marginal_std_ema{tag}": smooth,
+            f"mi_zscore_ema{tag}": (gap / (smooth + 1e-3)).mean().item(),
+        }
+    out["matched_log_prob_mean"] = -out["conditional_entropy_est"]
+    out["marginal_log_prob_mean"] = -out["reasoning_entropy_est"]
+    ids = {}  # signature -> id: columns that hold equal prompts share one
+    sig = torch.tensor([ids.setdefault(s, len(ids)) for s in (range(N) if signatures is None else signatures)])  # (N,)
+    truth = sig[col]  # (R,)
+    ranked = torch.sort(cross_mean, dim=1, descending=True, stable=True).indices  # (R, N); ties: lower j
+    hit = sig[ranked] == truth[:, None]  # (R, N): does the column at rank r hold i's prompt?
+    chance = (torch.bincount(sig)[truth] / N).double().mean().item()
+    out |= {"retrieval_accuracy": hit[:, 0].double().mean().item(), "retrieval_chance_level": chance}
+    out["retrieval_above_chance"] = out["retrieval_accuracy"] - chance
+    for k in (2, 4, 8):
+        k_eff = min(k, 8, N)
+        out[f"retrieval_accuracy@{k}"] = hit[:, :k_eff].any(dim=1).double().mean().item()
+        out[f"retrieval_chance_level@{k}"] = min(1.0, chance * k_eff)
+        out[f"retrieval_above_chance@{k}"] = out[f"retrieval_accuracy@{k}"] - out[f"retrieval_chance_level@{k}"]
+    return out
+
+
+def bi_level_gae(rewards, values, mask, turn_ends, gamma=1.0, lam=1.0, high_gamma=0.95):
+    """RAGEN's bi-level GAE (core_algos.py compute_bi_level_gae_advantage_return): GAE over turns, then over tokens.
+
+    rewards, values, mask: (B, T); turn_ends[b]: row b's turn-final columns, ascending, inside the mask, each turn's
+    reward sitting there. Returns (advantages, returns), both (B, T), zero off the mask, advantages not whitened.
+    High level, over row b's turn ends e_1 < ... < e_K (V(e_{K+1}) = 0, A_{K+1} = 0):
+        A_k = r(e_k) + high_gamma * V(e_{k+1}) - V(e_k) + high_gamma * lam * A_{k+1},   G_k = A_k + V(e_k).
+    Low level, backwards over the masked-in tokens: at a turn end A = G_k - V(e_k) (the scan restarts there);
+    elsewhere delta_t = r_t + gamma * V(next masked-in token) - V_t, A_t = delta_t + gamma * lam * A_next.
+    So with gamma = lam = 1 a token's advantage is its turn's discounted return minus its own value: high_gamma
+    discounts between turns only. RAGEN finds turn ends as the tokens with reward != 0, so a turn that earned 0
+    merges into the next one and escapes the discount, and a row with no reward crashes; here they are given,
+    and a row with none gets zeros. Masked-in tokens after the last turn end end the episode (next value 0).
+    """
+    B, T = rewards.shape
+    if len(turn_ends) != B:
+        raise ValueError(f"turn_ends has {len(turn_ends)} rows, the rewards {B}")
+    rewards, values, mask = rewards.float(), values.float(), mask.float()
+    is_end = torch.zeros_like(mask, dtype=torch.bool)  # (B, T)
+    turn_return = torch.zeros_like(values)  # (B, T): G_k at each turn end
+    for b, ends in enumerate(turn_ends):
+        if any(mask[b, e] == 0 for e in ends) or list(ends) != sorted(set(ends)):
+            raise ValueError(f"row {b}: turn ends {ends} must ascend, without repeats, on masked-in tokens")
+        next_value, adv = 0.0, 0.0
+        for e in reversed(ends):  # the high level: one step per turn, discounted by high_gamma
+            adv = rewards[b, e] + high_gamma * next_value - values[b, e] + high_gamma * lam * adv
+            turn_return[b, e], next_value = adv + values[b, e], values[b, e]
+            is_end[b, e] = True
+    next_value = torch.zeros_like(values[:, 0])  # (B,)
+    last = torch.zeros_like(next_value)  # (B,)
+    advantages = torch.zeros_like(values)  # (B, T)
+    for t in reversed(range(T)):  # the low level: token GAE inside each turn, its return as the final reward
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        g = torch.where(is_end[:, t], turn_return[:, t] - values[:, t], delta + gamma * lam * last)  # (B,)
+        m = mask[:, t]  # (B,)
+        next_value = m * values[:, t] + (1 - m) * next_value  # masked-out tokens are skipped, as in gae
+        last = m * g + (1 - m) * last
+        advantages[:, t] = m * g
+    played = is_end.any(dim=1, keepdim=True).float()  # (B, 1): a row without turns learns nothing
+    return advantages * played, (advantages + values) * mask * played
+
+
 def policy_loss(
     logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean", weights=None
 ):

@@ -10,12 +10,22 @@ cross_logprobs against one plain forward pass per (prompt, reasoning) pair on a 
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
 import torch
 
-from common import filter_groups, filter_loss_scale, group_stat, pass_at_k, select_groups
+from common import (
+    bi_level_gae,
+    collapse_metrics,
+    filter_groups,
+    filter_loss_scale,
+    group_stat,
+    masked_whiten,
+    pass_at_k,
+    select_groups,
+)
 
 ########################################################################################################################
 # the rollout filter: group_stat, select_groups, filter_loss_scale
@@ -248,3 +258,220 @@ def test_pass_at_k_is_the_chance_that_k_draws_hold_a_success():
 def test_pass_at_k_rejects_bad_arguments(n, c, k):
     with pytest.raises(ValueError):
         pass_at_k(n, c, k)
+
+
+########################################################################################################################
+# the collapse diagnostics
+########################################################################################################################
+
+# §A2.5: N = 2 prompts, 4 reasonings (z1, z2 from x1; z3, z4 from x2), per-token mean log-probs.
+A25 = torch.tensor([[-1.0, -3.0], [-1.2, -1.4], [-2.5, -0.8], [-1.1, -1.0]], dtype=torch.float64)
+A25_COLS = [0, 0, 1, 1]
+KEYS = {
+    "mi_estimate", "mi_seq_estimate", "mi_upper_bound", "conditional_entropy_est", "reasoning_entropy_est",
+    "conditional_entropy_seq_est", "reasoning_entropy_seq_est", "matched_log_prob_mean", "marginal_log_prob_mean",
+    "retrieval_accuracy", "retrieval_chance_level", "retrieval_above_chance",
+    "marginal_std", "mi_zscore", "marginal_std_ema", "mi_zscore_ema",
+    "marginal_std_seq", "mi_zscore_seq", "marginal_std_ema_seq", "mi_zscore_ema_seq",
+}  # fmt: skip
+KEYS |= {f"retrieval_{m}@{k}" for m in ("accuracy", "chance_level", "above_chance") for k in (2, 4, 8)}
+
+
+def test_collapse_metrics_worked_example():
+    ema = {"marginal_std": 0.5, "marginal_std_seq": 0.5}
+    m = collapse_metrics(A25, A25 * 10, A25_COLS, ema=ema)
+    assert set(m) == KEYS
+    marginal = [-1.5662, -1.2950, -1.3254, -1.0488]
+    assert m["matched_log_prob_mean"] == pytest.approx(-1.0, abs=1e-9)
+    assert m["marginal_log_prob_mean"] == pytest.approx(sum(marginal) / 4, abs=1e-4)
+    assert m["mi_estimate"] == pytest.approx(0.3088, abs=1e-4)
+    assert m["mi_upper_bound"] == pytest.approx(math.log(2))
+    assert m["conditional_entropy_est"] == pytest.approx(1.0, abs=1e-9)
+    assert m["reasoning_entropy_est"] == pytest.approx(1.3088, abs=1e-4)
+    assert (m["retrieval_accuracy"], m["retrieval_chance_level"], m["retrieval_above_chance"]) == (1.0, 0.5, 0.5)
+    assert (m["retrieval_accuracy@2"], m["retrieval_chance_level@2"]) == (1.0, 1.0)
+    assert (m["retrieval_accuracy@8"], m["retrieval_chance_level@8"]) == (1.0, 1.0)  # k_eff = N = 2
+    assert m["marginal_std"] == pytest.approx(0.1833, abs=1e-4)
+    assert m["mi_zscore"] == pytest.approx(1.676, abs=1e-3)
+    assert m["marginal_std_ema"] == pytest.approx(0.9 * 0.5 + 0.1 * 0.1833, abs=1e-4)  # 0.4683
+    assert m["mi_zscore_ema"] == pytest.approx(0.658, abs=1e-3)
+    assert ema["marginal_std"] == m["marginal_std_ema"]  # updated in place
+    # the sums: every number ten times larger (the marginal's logsumexp is not linear, so recompute it)
+    seq_marginal = torch.logsumexp(A25 * 10, 1) - math.log(2)
+    matched = torch.tensor([-10.0, -12.0, -8.0, -10.0], dtype=torch.float64)
+    assert m["mi_seq_estimate"] == pytest.approx((matched - seq_marginal).mean().item(), abs=1e-9)
+    assert m["conditional_entropy_seq_est"] == pytest.approx(10.0, abs=1e-9)
+    assert m["reasoning_entropy_seq_est"] == pytest.approx(-seq_marginal.mean().item(), abs=1e-9)
+    assert m["marginal_std_seq"] == pytest.approx(seq_marginal.std(unbiased=False).item(), abs=1e-9)
+    s = m["marginal_std_seq"]
+    assert m["mi_zscore_seq"] == pytest.approx(((matched - seq_marginal) / (s + 1e-3)).mean().item(), abs=1e-9)
+    assert m["marginal_std_ema_seq"] == pytest.approx(0.45 + 0.1 * s, abs=1e-9)
+
+
+def test_collapse_metrics_ema_starts_from_the_first_value_and_none_keeps_no_history():
+    ema = {}
+    first = collapse_metrics(A25, A25, A25_COLS, ema=ema)
+    assert ema == {"marginal_std": first["marginal_std"], "marginal_std_seq": first["marginal_std_seq"]}
+    assert first["marginal_std_ema"] == first["marginal_std"] and first["mi_zscore_ema"] == first["mi_zscore"]
+    second = collapse_metrics(A25 * 2, A25 * 2, A25_COLS, ema=ema)
+    assert second["marginal_std_ema"] == pytest.approx(0.9 * first["marginal_std"] + 0.1 * second["marginal_std"])
+    fresh = collapse_metrics(A25 * 2, A25 * 2, A25_COLS)  # no state: the EMA is this step's value
+    assert fresh["marginal_std_ema"] == fresh["marginal_std"]
+
+
+def test_a_reasoning_that_ignores_its_prompt_carries_no_information():
+    """Template collapse: each row scores the same under every prompt. MI is exactly 0; H(Z|X) is untouched.
+
+    Argmax ties go to the first column (torch.argmax's rule), so retrieval here counts the rows whose prompt is
+    column 0: with two of four, accuracy 0.5 = chance, but that is the tie rule, not a measurement.
+    """
+    L = torch.tensor([[-1.0, -1.0], [-1.2, -1.2], [-0.8, -0.8], [-1.0, -1.0]], dtype=torch.float64)
+    m = collapse_metrics(L, L * 7, A25_COLS)
+    assert m["mi_estimate"] == 0.0 and m["mi_seq_estimate"] == 0.0
+    assert m["conditional_entropy_est"] == pytest.approx(1.0) and m["reasoning_entropy_est"] == pytest.approx(1.0)
+    assert m["mi_zscore"] == 0.0 and m["mi_zscore_seq"] == 0.0
+    assert m["retrieval_accuracy"] == 0.5  # rows 0 and 1 (true column 0) win the tie, rows 2 and 3 lose it
+    m = collapse_metrics(L, L, [1, 1, 1, 1])
+    assert m["retrieval_accuracy"] == 0.0  # every true column is 1, every tie goes to 0
+
+
+def test_a_reasoning_that_copies_its_prompt_is_retrieved_and_near_log_n():
+    """Each reasoning is near-certain under its own prompt and near-impossible under the others: MI -> log N."""
+    N, R = 6, 24
+    cols = [i % N for i in range(R)]
+    L = torch.full((R, N), -30.0, dtype=torch.float64)  # (R, N)
+    L[torch.arange(R), torch.tensor(cols)] = -0.01
+    m = collapse_metrics(L, L * 20, cols)
+    assert m["retrieval_accuracy"] == 1.0 and m["retrieval_chance_level"] == pytest.approx(1 / N)
+    assert m["mi_estimate"] == pytest.approx(math.log(N), abs=1e-9)
+    assert m["mi_seq_estimate"] == pytest.approx(math.log(N), abs=1e-9)
+    assert m["retrieval_accuracy@2"] == 1.0 and m["retrieval_chance_level@2"] == pytest.approx(2 / N)
+    assert m["retrieval_chance_level@4"] == pytest.approx(4 / N) and m["retrieval_chance_level@8"] == 1.0  # k_eff = 6
+    assert m["retrieval_above_chance@4"] == pytest.approx(1 - 4 / N)
+
+
+def test_noise_retrieves_at_chance():
+    """i.i.d. noise: every column is equally likely to win, so accuracy@k is near k / N for every k."""
+    g = torch.Generator().manual_seed(0)
+    R, N = 20000, 5
+    L = torch.randn(R, N, generator=g, dtype=torch.float64) - 2  # (R, N)
+    cols = torch.randint(N, (R,), generator=g).tolist()
+    m = collapse_metrics(L, L, cols)
+    assert m["retrieval_accuracy"] == pytest.approx(1 / N, abs=0.015)
+    assert m["retrieval_accuracy@2"] == pytest.approx(2 / N, abs=0.015)
+    assert m["retrieval_accuracy@4"] == pytest.approx(4 / N, abs=0.015)
+    assert m["retrieval_accuracy@8"] == 1.0 and m["retrieval_chance_level@8"] == 1.0  # k_eff = N = 5: every column
+    # No information, and the estimate reads below 0: the row's log-mean-exp over columns exceeds its mean (Jensen),
+    # the finite-sample downward bias the spec's reference doc names (the estimate "can be slightly negative").
+    assert -0.5 < m["mi_estimate"] < 0
+
+
+def test_retrieval_with_equal_prompts_counts_either_column():
+    """Columns 0 and 2 hold the same prompt: a row of column 0 retrieved as column 2 is right."""
+    L = torch.tensor([[-2.0, -3.0, -1.0], [-2.0, -1.0, -3.0], [-3.0, -1.0, -2.0]], dtype=torch.float64)
+    m = collapse_metrics(L, L, [0, 1, 2], signatures=[(5, 6), (7,), (5, 6)])
+    assert m["retrieval_accuracy"] == pytest.approx(2 / 3)  # row 0 picks column 2, its twin: right; row 2 misses
+    assert m["retrieval_chance_level"] == pytest.approx((2 / 3 + 1 / 3 + 2 / 3) / 3)
+    assert m["retrieval_chance_level@2"] == 1.0  # min(1, 5/9 * 2)
+    assert m["retrieval_accuracy@2"] == 1.0
+    plain = collapse_metrics(L, L, [0, 1, 2])
+    assert plain["retrieval_accuracy"] == pytest.approx(1 / 3) and plain["retrieval_chance_level"] == pytest.approx(
+        1 / 3
+    )
+
+
+def test_collapse_metrics_needs_two_prompts():
+    assert collapse_metrics(A25[:, :1], A25[:, :1], [0, 0, 0, 0]) == {}
+    assert collapse_metrics(A25[:0], A25[:0], []) == {}
+
+
+########################################################################################################################
+# bi-level GAE
+########################################################################################################################
+
+
+def test_bi_level_gae_ragen_worked_example():
+    """RAGEN's own __main__: two turns of five tokens, ends at 4 and 9, each paying 1; gamma = lam = 1."""
+    r = torch.tensor([[0, 0, 0, 0, 1, 0, 0, 0, 0, 1.0]])
+    V = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]])
+    mask = torch.ones(1, 10)
+    adv, ret = bi_level_gae(r, V, mask, [[4, 9]], gamma=1.0, lam=1.0, high_gamma=0.95)
+    assert adv[0].tolist() == pytest.approx([1.85, 1.75, 1.65, 1.55, 1.45, 0.40, 0.30, 0.20, 0.10, 0.00], abs=1e-6)
+    assert ret[0].tolist() == pytest.approx([1.95] * 5 + [1.0] * 5, abs=1e-6)
+    white = masked_whiten(adv, mask)  # verl's (x - mean) / sqrt(var + 1e-8), unbiased var, as common's
+    expected = [1.188, 1.060, 0.931, 0.803, 0.674, -0.674, -0.803, -0.931, -1.060, -1.188]
+    assert white[0].tolist() == pytest.approx(expected, abs=1e-3)
+
+
+def naive_bi_level(r, V, m, ends, gamma, lam, hg):
+    """One row, plain Python floats: the spec's recursion read literally (high level, then low level)."""
+    G, adv_h, nxt = {}, 0.0, 0.0
+    for e in reversed(ends):
+        adv_h = r[e] + hg * nxt - V[e] + hg * lam * adv_h
+        G[e], nxt = adv_h + V[e], V[e]
+    valid = [t for t in range(len(r)) if m[t]]
+    adv, ret = [0.0] * len(r), [0.0] * len(r)
+    last = 0.0
+    for i in reversed(range(len(valid))):
+        t = valid[i]
+        if t in G:
+            last = G[t] - V[t]
+        else:
+            nv = V[valid[i + 1]] if i + 1 < len(valid) else 0.0
+            last = r[t] + gamma * nv - V[t] + gamma * lam * last
+        adv[t], ret[t] = last, last + V[t]
+    return (adv, ret) if ends else ([0.0] * len(r), [0.0] * len(r))
+
+
+def test_a_turn_that_earned_nothing_still_discounts():
+    """r = [0,0,0,0,0, 0,0,0,0,1]: RAGEN would see one turn (A = 1 - V); with the ends given, high_gamma applies."""
+    r = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0, 0, 1.0]])
+    V = torch.zeros(1, 10)
+    adv, ret = bi_level_gae(r, V, torch.ones(1, 10), [[4, 9]], high_gamma=0.95)
+    assert adv[0].tolist() == pytest.approx([0.95] * 5 + [1.0] * 5)
+    one_turn, _ = bi_level_gae(r, V, torch.ones(1, 10), [[9]], high_gamma=0.95)
+    assert one_turn[0].tolist() == pytest.approx([1.0] * 10)  # RAGEN's reading of the same rewards
+
+
+def test_bi_level_gae_rows_without_turns_and_padding():
+    """Row 0: two turns with an observation (mask 0) between them and padding after; row 1: no turn at all."""
+    r = torch.tensor([[0, 0, 0.5, 0, 0, 0, 1.0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    V = torch.tensor([[0.1, 0.2, 0.3, 9.0, 9.0, 0.4, 0.5, 9.0, 9.0], [0.1] * 9])
+    mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0]])
+    adv, ret = bi_level_gae(r, V, mask, [[2, 6], []], gamma=1.0, lam=1.0, high_gamma=0.9)
+    # high level: A_2 = 1 - 0.5 = 0.5, G_2 = 1.0; A_1 = 0.5 + 0.9 * 0.5 - 0.3 + 0.9 * 0.5 = 1.1, G_1 = 1.4
+    assert adv[0].tolist() == pytest.approx([1.3, 1.2, 1.1, 0, 0, 0.6, 0.5, 0, 0], abs=1e-6)
+    assert ret[0].tolist() == pytest.approx([1.4, 1.4, 1.4, 0, 0, 1.0, 1.0, 0, 0], abs=1e-6)
+    assert adv[1].tolist() == [0.0] * 9 and ret[1].tolist() == [0.0] * 9
+
+
+@pytest.mark.parametrize("gamma, lam, hg", [(1.0, 1.0, 0.95), (0.99, 0.95, 0.9), (0.9, 0.5, 1.0)])
+def test_bi_level_gae_vs_naive(gamma, lam, hg):
+    g = torch.Generator().manual_seed(7)
+    B, T = 6, 20
+    V = torch.randn(B, T, generator=g)  # (B, T)
+    mask = (torch.rand(B, T, generator=g) < 0.7).float()  # (B, T)
+    mask[:, -3:] = 0  # padding after the last turn
+    turn_ends, r = [], torch.zeros(B, T)
+    for b in range(B):
+        valid = mask[b].nonzero()[:, 0].tolist()
+        ends = sorted(random.Random(b).sample(valid, k=min(len(valid), b % 4)))  # rows with 0 to 3 turns
+        if b == 5 and valid:
+            ends = ends[:-1] + [valid[-3]] if ends else []  # masked-in tokens after the last turn end
+        turn_ends.append(ends)
+        for e in ends:
+            r[b, e] = float(torch.randn(1, generator=g))
+    r[3, turn_ends[3][0]] = 0.0  # a turn may earn exactly 0 and still be a turn
+    adv, ret = bi_level_gae(r, V, mask, turn_ends, gamma, lam, hg)
+    for b in range(B):
+        a, R_ = naive_bi_level(r[b].tolist(), V[b].tolist(), mask[b].tolist(), turn_ends[b], gamma, lam, hg)
+        assert adv[b].tolist() == pytest.approx(a, abs=1e-5) and ret[b].tolist() == pytest.approx(R_, abs=1e-5)
+
+
+def test_bi_level_gae_rejects_bad_turn_ends():
+    r, V, m = torch.zeros(1, 4), torch.zeros(1, 4), torch.tensor([[1, 1, 0, 1]])
+    for ends in ([2], [3, 1], [1, 1]):
+        with pytest.raises(ValueError, match="turn ends"):
+            bi_level_gae(r, V, m, [ends])
+    with pytest.raises(ValueError, match="rows"):
+        bi_level_gae(r, V, m, [[1], [3]])
