@@ -1,8 +1,10 @@
 """The update's forward pass, made cheap for multi-turn rows: each group's first prompt runs once, and micro-batches
-gather rows of like length (docs/CPU.md). Same numbers as the plain pass over full rows (tests/test_sokoban.py)."""
+gather rows of like length (docs/CPU.md). Same numbers as the plain pass over full rows (tests/test_sokoban.py).
+Also the collapse diagnostics' cross-scoring pass, each prompt run once for every reasoning (test_ragen2_maths.py)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -130,3 +132,65 @@ def reply_outputs(model, mb: dict, field: str, **kw) -> torch.Tensor:
         )
         parts.append(getattr(out, field))  # (b, r - 1, ...); right padding is causal-invisible to real tokens
     return torch.cat(parts, dim=1)
+
+
+def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], temperature: float = 1.0, batch_size=64):
+    """RAGEN-2's cross-scoring matrices for the collapse diagnostics (collapse_metrics.py L455-558): log p(z_i | x_j)
+    of every reasoning z_i (its sampled token ids) after every prompt x_j (token ids up to where z's tokens start),
+    teacher-forced under logits / temperature, as the per-token mean and the sum over z_i's tokens: two (R, N)
+    float64 tensors on the CPU, no gradient.
+
+    RAGEN runs N passes of R full [x_j | z_i] rows. Here each prompt runs once and its KV cache is copied to a chunk
+    of batch_size reasonings (right-padded, attention 0 on the padding), which run on top at their own positions:
+    N prompts + N * R reasonings' tokens instead of N * R * (prompt + reasoning). Only the real tokens go through the
+    output head, so batch_size bounds the memory: its (rows x tokens, V) logits. Empty reasonings or prompts are
+    the caller's to leave out (an error here). Call it in eval mode (dropout off), as for the old log-probs.
+    """
+    from transformers import DynamicCache
+
+    if not prompts or not thinks or min(map(len, prompts)) == 0 or min(map(len, thinks)) == 0:
+        raise ValueError("cross_logprobs needs non-empty prompts and reasonings (leave the empty ones out)")
+    body, head = model.base_model, model.get_output_embeddings()
+    device = next(model.parameters()).device
+    lengths = torch.tensor([len(z) for z in thinks], device=device)  # (R,)
+    ids = torch.zeros(len(thinks), int(lengths.max()), dtype=torch.long, device=device)  # (R, L): right-padded
+    for i, z in enumerate(thinks):
+        ids[i, : len(z)] = torch.tensor(z, device=device)
+    real = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (R, L)
+    mean = torch.zeros(len(thinks), len(prompts), dtype=torch.float64)  # (R, N)
+    total = torch.zeros_like(mean)  # (R, N)
+    with torch.no_grad():
+        for j, x in enumerate(prompts):
+            P = len(x)
+            cache = DynamicCache()
+            out = body(
+                input_ids=torch.tensor([x], device=device),
+                position_ids=torch.arange(P, device=device)[None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            last = out.last_hidden_state[:, -1:]  # (1, 1, H): the prompt's end predicts every z's first token
+            for s in range(0, len(thinks), batch_size):
+                z, keep = ids[s : s + batch_size], real[s : s + batch_size]  # (b, L) each
+                b, L = int(z.shape[0]), int(keep.sum(1).max())
+                z, keep = z[:, :L], keep[:, :L]  # (b, L): cut at this chunk's longest
+                h = last.expand(b, 1, -1)  # (b, 1, H)
+                if L > 1:  # tokens 0..L-2 predict tokens 1..L-1, on top of a copy of the prompt's cache
+                    rows = copy.deepcopy(cache)  # a fresh copy per chunk: the pass appends its tokens to its cache
+                    rows.batch_select_indices(torch.zeros(b, dtype=torch.long, device=device))  # (1, ...) -> (b, ...)
+                    prompt_attn = torch.ones(b, P, dtype=torch.long, device=device)  # (b, P)
+                    out = body(
+                        input_ids=z[:, :-1],
+                        attention_mask=torch.cat([prompt_attn, keep[:, :-1].long()], dim=1),  # (b, P + L - 1)
+                        position_ids=P + torch.arange(L - 1, device=device)[None].expand(b, -1),  # (b, L - 1)
+                        past_key_values=rows,
+                        use_cache=True,
+                    )
+                    h = torch.cat([h, out.last_hidden_state], dim=1)  # (b, L, H)
+                logits = head(h[keep]).float() / temperature  # (M, V): M real tokens of the chunk
+                picked = logits.gather(-1, z[keep][:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # (M,)
+                logp = torch.zeros(b, L, dtype=torch.float64, device=device)  # (b, L)
+                logp[keep] = picked.double()
+                total[s : s + b, j] = logp.sum(1).cpu()
+                mean[s : s + b, j] = (logp.sum(1) / keep.sum(1)).cpu()
+    return mean, total

@@ -475,3 +475,72 @@ def test_bi_level_gae_rejects_bad_turn_ends():
             bi_level_gae(r, V, m, [ends])
     with pytest.raises(ValueError, match="rows"):
         bi_level_gae(r, V, m, [[1], [3]])
+
+
+########################################################################################################################
+# cross_logprobs: the shared-prefill pass against one full forward pass per (prompt, reasoning)
+########################################################################################################################
+
+
+def tiny_model(kind: str):
+    """A random two-layer model built from its config (no download): hidden 32, vocabulary 64."""
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
+
+
+def naive_cross(model, prompts, thinks, temperature):
+    """Each [prompt_j + think_i] in its own forward pass, no cache, no padding: the reference."""
+    mean = torch.zeros(len(thinks), len(prompts), dtype=torch.float64)
+    total = torch.zeros_like(mean)
+    with torch.no_grad():
+        for j, x in enumerate(prompts):
+            for i, z in enumerate(thinks):
+                logits = model(input_ids=torch.tensor([x + z])).logits[0].double() / temperature  # (P + L, V)
+                logp = torch.log_softmax(logits[len(x) - 1 : -1], -1)  # (L, V): the positions that predict z
+                picked = logp[torch.arange(len(z)), torch.tensor(z)]  # (L,)
+                mean[i, j], total[i, j] = picked.mean(), picked.sum()
+    return mean, total
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("batch_size", [64, 2])
+def test_cross_logprobs_matches_full_passes(kind, batch_size):
+    from plumbing.forward import cross_logprobs
+
+    model = tiny_model(kind)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(64) for _ in range(n)] for n in (5, 9, 1)]
+    thinks = [[rng.randrange(64) for _ in range(n)] for n in (1, 4, 7, 2, 6)]  # R = 5 > batch_size = 2
+    mean, total = cross_logprobs(model, prompts, thinks, temperature=0.7, batch_size=batch_size)
+    ref_mean, ref_total = naive_cross(model, prompts, thinks, 0.7)
+    assert mean.shape == total.shape == (5, 3) and mean.dtype == torch.float64
+    assert torch.allclose(mean, ref_mean, atol=1e-5, rtol=0) and torch.allclose(total, ref_total, atol=1e-5, rtol=0)
+
+
+def test_cross_logprobs_runs_each_prompt_once():
+    """The prefill is shared: one pass per prompt, then one per chunk of reasonings on a copy of its cache."""
+    from plumbing.forward import cross_logprobs
+
+    model, shapes = tiny_model("qwen2"), []
+    model.base_model.register_forward_hook(
+        lambda mod, args, kwargs, out: shapes.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    cross_logprobs(model, [[1, 2, 3], [4, 5]], [[6, 7], [8], [9, 10, 11]], batch_size=2)
+    assert [tuple(s) for s in shapes] == [(1, 3), (2, 1), (1, 2), (1, 2), (2, 1), (1, 2)]  # prompt, chunk, chunk, ...
+    cross_logprobs(model, [[1, 2, 3]], [[6]], batch_size=2)  # one-token reasonings need the prompt pass only
+    assert tuple(shapes[-1]) == (1, 3)
+
+
+def test_cross_logprobs_rejects_empty_reasonings():
+    from plumbing.forward import cross_logprobs
+
+    with pytest.raises(ValueError, match="empty"):
+        cross_logprobs(tiny_model("qwen2"), [[1, 2]], [[3], []])
