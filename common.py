@@ -170,26 +170,6 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return centred * torch.rsqrt(var + eps)
 
 
-def filter_groups(scores: torch.Tensor, keep_ratio: float, mode: str = "std") -> torch.Tensor:
-    """StarPO-S's uncertainty filter: indices (ascending) of the groups to train on. scores: (G, n).
-
-    Groups are ranked by the std of trajectory reward inside the group (high std = the policy is unsure
-    there, so there is something to learn). "std" keeps the top keep_ratio of groups, "std_rev" the lowest.
-    At least one group is kept. Ties go to the lower group index, so the result is deterministic.
-    """
-    if not 0 < keep_ratio <= 1:
-        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
-    if mode not in ("std", "std_rev"):
-        raise ValueError(f"unknown filter mode {mode!r}; choose 'std' or 'std_rev'")
-    G, n = scores.shape
-    std = scores.double().std(dim=1, unbiased=True).tolist() if n > 1 else [0.0] * G
-    std = [round(x, 9) for x in std]  # equal groups in another order can differ in the last bit: keep them tied
-    k = max(1, int(G * keep_ratio + 1e-9))  # the epsilon keeps 0.29 * 100 from flooring to 28
-    sign = -1.0 if mode == "std" else 1.0
-    ranked = sorted(range(G), key=lambda g: (sign * std[g], g))
-    return torch.tensor(sorted(ranked[:k]), dtype=torch.long)
-
-
 def group_stat(scores: torch.Tensor, kind: str = "std") -> torch.Tensor:
     """RAGEN-2's per-group filter statistic, (G, n) episode returns -> (G,) float64.
 
@@ -222,7 +202,7 @@ def select_groups(stat, strategy="top_p", value=0.9, prob_mode="linear", include
       none: keep every group (no filter).
     One departure: ties go to the lower group index (RAGEN's torch.sort / topk leave them unordered), judged on the
     stats rounded to 9 decimals so that equal groups summed in another order still tie. top_k's k is
-    int(value * G + 1e-9), as filter_groups, so 0.29 * 100 keeps 29 where RAGEN's int() keeps 28.
+    int(value * G + 1e-9), as StarPO-S's filter here always had it, so 0.29 * 100 keeps 29 where RAGEN's int() keeps 28.
     """
     if strategy not in FILTER_STRATEGIES:
         raise ValueError(f"unknown filter strategy {strategy!r}; choose from {FILTER_STRATEGIES}")

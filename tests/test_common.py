@@ -32,14 +32,15 @@ import plumbing.tiny
 from common import (
     agg_loss,
     entropy_from_logits,
-    filter_groups,
     gae,
+    group_stat,
     group_advantages,
     kl_penalty,
     masked_mean,
     masked_whiten,
     micro_batch_weight,
     policy_loss,
+    select_groups,
     token_logprobs,
     value_loss,
 )
@@ -181,6 +182,14 @@ def py_whiten(X, M, eps=1e-8):
     var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
     scale = 1.0 / math.sqrt(var + eps)
     return [[(x - mean) * scale if m == 1 else 0.0 for x, m in zip(xr, mr)] for xr, mr in zip(X, M)]
+
+
+def filter_groups(S, keep_ratio, mode="std"):
+    """StarPO-S's filter as the scripts call it: common.select_groups' top_k over the groups' reward std (ddof 1),
+    zero-std groups allowed, as a tensor of ascending group indices. (These tests predate select_groups.)"""
+    if mode != "std":
+        raise ValueError(f"unknown filter mode {mode!r}")
+    return torch.tensor(select_groups(group_stat(S), "top_k", keep_ratio, include_zero=True), dtype=torch.long)
 
 
 def py_filter_groups(S, keep_ratio, mode):
@@ -513,7 +522,7 @@ def test_masked_whiten_vs_python(shape, kind):
 
 @pytest.mark.parametrize("G,n", [(1, 4), (4, 2), (10, 4), (25, 8), (7, 1)])
 @pytest.mark.parametrize("keep_ratio", [0.01, 0.25, 0.29, 0.5, 0.7, 1.0])
-@pytest.mark.parametrize("mode", ["std", "std_rev"])
+@pytest.mark.parametrize("mode", ["std"])
 @pytest.mark.parametrize("discrete", [False, True])
 def test_filter_groups_vs_python(G, n, keep_ratio, mode, discrete):
     g = gen(800 + G * n)
@@ -683,7 +692,6 @@ def test_group_advantages_integer_scores():
 def test_filter_groups_keeps_at_least_one():
     S = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
     assert filter_groups(S, 0.01, "std").tolist() == [0]
-    assert filter_groups(S, 0.01, "std_rev").tolist() == [1]  # tie between groups 1 and 2 -> lower index
 
 
 def test_filter_groups_ties_go_to_lower_index():
@@ -693,33 +701,26 @@ def test_filter_groups_ties_go_to_lower_index():
     assert filter_groups(S, 2 / 6, "std").tolist() == [1, 2]
     assert filter_groups(S, 0.5, "std").tolist() == [1, 2, 4]
     assert filter_groups(S, 4 / 6, "std").tolist() == [0, 1, 2, 4]
-    assert filter_groups(S, 1 / 6, "std_rev").tolist() == [0]
-    assert filter_groups(S, 0.5, "std_rev").tolist() == [0, 3, 5]
-    assert filter_groups(S, 4 / 6, "std_rev").tolist() == [0, 1, 3, 5]
     for _ in range(3):  # deterministic
         assert filter_groups(S, 0.5, "std").tolist() == [1, 2, 4]
     # all groups tied: the first k
     assert filter_groups(torch.ones(8, 4), 0.25, "std").tolist() == [0, 1]
-    assert filter_groups(torch.ones(8, 4), 0.25, "std_rev").tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("mode", ["std", "std_rev"])
+@pytest.mark.parametrize("mode", ["std"])
 def test_filter_groups_keep_all(mode):
     S = torch.randn(9, 4, generator=gen(1400))
     assert filter_groups(S, 1.0, mode).tolist() == list(range(9))
 
 
-def test_filter_groups_std_picks_high_and_std_rev_low():
+def test_filter_groups_std_picks_high():
     S = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 10.0, 0.0, 10.0], [0.0, 1.0, 0.0, 1.0], [0.0, 5.0, 5.0, 0.0]])
     assert filter_groups(S, 0.5, "std").tolist() == [1, 3]
-    assert filter_groups(S, 0.5, "std_rev").tolist() == [0, 2]
-    assert filter_groups(S, 0.25, "std_rev").tolist() == [0]
 
 
 def test_filter_groups_float_floor_029_of_100_keeps_29():
     S = torch.randn(100, 4, generator=gen(1401))
     assert len(filter_groups(S, 0.29, "std")) == 29
-    assert len(filter_groups(S, 0.57, "std_rev")) == 57  # 0.57 * 100 = 56.99999999999999 in floats
     assert len(filter_groups(S, 0.25, "std")) == 25
     out = filter_groups(S, 0.29, "std")
     assert out.tolist() == sorted(set(out.tolist()))  # ascending, unique

@@ -19,7 +19,6 @@ import torch
 from common import (
     bi_level_gae,
     collapse_metrics,
-    filter_groups,
     filter_loss_scale,
     group_stat,
     masked_whiten,
@@ -46,6 +45,18 @@ BANDIT = torch.tensor(
     dtype=torch.float64,
 )
 BANDIT_STD = [0, 0, 0.4856, 0.4500, 0.0577, 0.5774, 0, 0]
+
+
+def filter_groups(scores: torch.Tensor, keep_ratio: float) -> torch.Tensor:
+    """The v1 StarPO-S filter as it shipped until select_groups replaced it (common.py at 62c6e3d), kept as the
+    reference `--algo starpo-s` must still reproduce: the top keep_ratio of groups by reward std, at least one, ties
+    to the lower index on stds rounded to 9 decimals."""
+    G, n = scores.shape
+    std = scores.double().std(dim=1, unbiased=True).tolist() if n > 1 else [0.0] * G
+    std = [round(x, 9) for x in std]
+    k = max(1, int(G * keep_ratio + 1e-9))
+    ranked = sorted(range(G), key=lambda g: (-std[g], g))
+    return torch.tensor(sorted(ranked[:k]), dtype=torch.long)
 
 
 def test_group_stat_on_the_bandit_example():
