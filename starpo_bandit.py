@@ -44,8 +44,8 @@ class Args:
     """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
     steps: int = 200
     """training steps"""
-    algo: Literal["starpo", "starpo-s"] = "starpo-s"
-    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
+    algo: Literal["starpo", "starpo-s", "starpo-s2"] = "starpo-s"
+    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3. starpo-s2: starpo-s with RAGEN-2's filter (top-p 0.9 of the reward-std mass, zero-std groups dropped)"""
     estimator: Literal["gae", "grpo"] = "gae"
     """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward"""
     seed: int = 0
@@ -63,6 +63,10 @@ class Args:
     """low-risk arm name at evaluation (default: same as training)"""
     val_high_arm_name: Optional[str] = None
     """high-risk arm name at evaluation (default: same as training)"""
+    payout_draw: Literal["member", "group"] = "member"
+    """member: each group member draws its own payout (RAGEN since 2025-11); group: the group shares one draw"""
+    arm_pairs: Literal["one", "ragen"] = "one"
+    """one: the arm names above; ragen: each group draws one of RAGEN-2's 12 name pairs, evaluation its 8 held-out pairs"""
     rubric: Literal["default", "no-dotall", "think-bonus", "think-bonus-gated"] = "default"
     """which rubric to train with: RUBRICS below (the workshop's deliberately broken variants and their fixes)"""
     rubric_weights: str = ""
@@ -72,8 +76,20 @@ class Args:
     """groups (distinct initial states) per step"""
     group_size: int = 16
     """rollouts per group, all from the same seed"""
+    filter: Literal["none", "top_k", "top_k_abs", "top_p", "min_p"] = "top_k"
+    """which groups to train on (RAGEN's rollout filter): top_k the --keep-ratio share with the largest statistic; top_p the fewest holding --keep-ratio of its total (RAGEN-2); min_p those >= --keep-ratio x the largest; top_k_abs --keep-ratio groups"""
     keep_ratio: float = 0.25
-    """uncertainty filter: fraction of groups kept"""
+    """the filter's value: a fraction in (0, 1] (top_k, top_p, min_p) or a number of groups (top_k_abs)"""
+    filter_stat: Literal["std", "var"] = "std"
+    """the statistic each group is ranked by: the sample std (ddof 1) of its episode scores (RAGEN's code) or their variance"""
+    filter_prob_mode: Literal["linear", "softmax"] = "linear"
+    """top_p: the mass is the statistic itself (linear) or its softmax"""
+    filter_include_zero: bool = True
+    """let groups whose statistic is 0 be kept (RAGEN-2 drops them: they carry no signal)"""
+    filter_eps: float = 0.01
+    """top_p linear: keep nothing when the statistic's total is under eps / --keep-ratio (RAGEN's selection_eps)"""
+    filter_loss_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """scale the advantages by the kept share of groups (linear) or its square root"""
     kl_coef: float = 0.0
     """weight of the KL-to-reference loss"""
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
@@ -146,6 +162,12 @@ class Args:
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
+    empty_stop_steps: int = 5
+    """stop (with a checkpoint) after this many steps in a row whose filter kept no group; 0 = never"""
+    mi_every: int = 5
+    """collapse diagnostics (RAGEN-2's prompt-reasoning mutual information) every N steps; 0 = off"""
+    val_samples: int = 1
+    """replies per evaluation episode; > 1 logs val/pass@k (unbiased) for k = 1, 2, 4, ... up to it"""
     max_skipped: int = 3
     """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
     sample_every: int = 10
@@ -157,10 +179,17 @@ class Args:
 # --preset: the defaults of every flag you do not give. The paper's are the field defaults above; the tiny model
 # learns from scratch-sized steps: far larger learning rates, short replies, fewer steps.
 PRESETS = {"paper": {}, "tiny": dict(max_tokens=40, group_size=8, steps=40, lr=1e-4, critic_lr=1e-3)}
-# --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
+# --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider;
+# starpo-s2 is StarPO-S with RAGEN-2's filter (arXiv 2604.06268), the one its guide recommends: the fewest groups
+# holding 90% of the reward-std mass, zero-std groups dropped, a step with no group left skipped.
 ALGOS = {
-    "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
-    "starpo-s": dict(keep_ratio=0.25, kl_coef=0.0, clip_high=0.28, dual_clip=3.0),
+    "starpo": dict(filter="none", keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
+    "starpo-s": dict(
+        filter="top_k", keep_ratio=0.25, filter_include_zero=True, kl_coef=0.0, clip_high=0.28, dual_clip=3.0
+    ),
+    "starpo-s2": dict(
+        filter="top_p", keep_ratio=0.9, filter_include_zero=False, kl_coef=0.0, clip_high=0.28, dual_clip=3.0
+    ),
 }
 
 # `python starpo_x.py --help` prints its help and exits here, before torch loads (seconds): the imports follow.
@@ -171,8 +200,8 @@ import torch.nn as nn  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
-from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
-from plumbing import cpu, engine, forward, tiny  # noqa: E402
+from common import agg_loss, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, select_groups, value_loss  # noqa: E402
+from plumbing import collapse, cpu, engine, forward, tiny  # noqa: E402
 from plumbing.report import single_turn_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
@@ -186,20 +215,39 @@ TASK = "bandit"
 
 
 class BanditEnv:
-    """RAGEN's two-arm bandit. One step per episode: the answer is an arm name, compared case-insensitively."""
+    """RAGEN's two-arm bandit. One step per episode: the answer is an arm name, compared case-insensitively.
 
-    def __init__(self, low_name="Phoenix", high_name="Dragon", low_reward=0.15, high_reward=1.0, high_prob=0.25):
-        self.low_name, self.high_name = low_name, high_name
+    pairs: (low, high) name pairs, one drawn per reset (RAGEN-2's --arm-pairs ragen), else low_name / high_name.
+    payout_draw: "member" gives each member of a group its own payout stream, as RAGEN does since 2025-11;
+    "group" shares the group's, so if the high arm pays in a group it pays every member who chose it.
+    """
+
+    def __init__(
+        self,
+        low_name="Phoenix",
+        high_name="Dragon",
+        low_reward=0.15,
+        high_reward=1.0,
+        high_prob=0.25,
+        payout_draw="member",
+        pairs=(),
+    ):
+        self.low_name, self.high_name, self.pairs, self.payout_draw = low_name, high_name, list(pairs), payout_draw
         self.low_reward, self.high_reward, self.high_prob = low_reward, high_reward, high_prob
         self.names: list[str] = []
         self.rng = random.Random(0)
 
-    def reset(self, seed: int) -> str:
-        # Everything random in an episode comes from the seed: the order the arms are shown in and the payout draw.
-        self.rng = random.Random(seed)
+    def reset(self, seed: int, member: int = 0) -> str:
+        # What a group shares comes from its seed: the arm pair and the order they are shown in. RAGEN's own code
+        # also varies those per member (a side effect of its per-member seeding); we keep one prompt per group.
+        rng = random.Random(seed)
+        if self.pairs:
+            self.low_name, self.high_name = self.pairs[int(rng.random() * len(self.pairs))]
         self.names = [self.low_name, self.high_name]
-        if self.rng.random() < 0.5:
+        if rng.random() < 0.5:
             self.names.reverse()
+        # The payout: member `member` of the group draws from its own stream (seed, member), or all share the group's.
+        self.rng = random.Random(f"{seed}/{member}") if self.payout_draw == "member" else rng
         return BANDIT_PROMPT.format(a=self.names[0], b=self.names[1])
 
     def describe(self) -> dict:
@@ -220,6 +268,32 @@ class BanditEnv:
         obs = f"You chose {action.strip()[:40]!r} and received {reward}." if valid else "Invalid answer: no arm pulled."
         return obs, reward, True, info
 
+
+# RAGEN-2's arm names (ragen/env/bandit/config.py): (low, high) pairs to train on, and the held-out ones (BanditTest).
+RAGEN_TRAIN_PAIRS = [
+    ("Teacher", "Trader"),
+    ("Nurse", "StartupFounder"),
+    ("Librarian", "Investor"),
+    ("Accountant", "StockBroker"),
+    ("Engineer", "RealEstateAgent"),
+    ("Pharmacist", "Musician"),
+    ("Clerk", "Freelancer"),
+    ("Technician", "Youtuber"),
+    ("Planner", "Artist"),
+    ("Postman", "Pilot"),
+    ("Banker", "VentureCapitalist"),
+    ("Gardener", "Cryptominer"),
+]
+RAGEN_TEST_PAIRS = [
+    ("Receptionist", "Explorer"),
+    ("Archivist", "Filmmaker"),
+    ("Bookkeeper", "Consultant"),
+    ("SocialWorker", "Photographer"),
+    ("Mechanic", "GameDesigner"),
+    ("Secretary", "Entrepreneur"),
+    ("Cashier", "DataScientist"),
+    ("CivilServant", "StartupAccelerator"),
+]
 
 BANDIT_PROMPT = (
     "You are playing a bandit game. Goal: maximize your total reward by choosing which arm to pull.\n"
@@ -458,6 +532,10 @@ class Trajectory:
     truncated: bool = False  # the reply hit --max-tokens before its end-of-turn token
     overflow: bool = False  # the prompt left no room under --max-model-len: no reply was generated
 
+    def first_turn(self) -> tuple[list, list]:
+        """The prompt and the sampled reply (the collapse diagnostics read their think)."""
+        return self.prompt_ids, self.reply_ids
+
 
 def rollout(
     generate, tok, seeds: list[int], env_kwargs: dict, temperature: float, max_prompt_len: int, rubric: list
@@ -468,7 +546,11 @@ def rollout(
     invalid answer and is counted in train/context_overflow, instead of crashing the model mid-batch.
     """
     envs = [BanditEnv(**env_kwargs) for _ in seeds]
-    states = [env.reset(seed) for env, seed in zip(envs, seeds)]
+    members, seen = [], {}
+    for seed in seeds:  # the i-th episode of a seed is member i of its group
+        members.append(seen.get(seed, 0))
+        seen[seed] = members[-1] + 1
+    states = [env.reset(seed, member) for env, seed, member in zip(envs, seeds, members)]
     prompts = []
     for state in states:
         text = tok.apply_chat_template(make_messages(state), add_generation_prompt=True, tokenize=False)
@@ -811,7 +893,8 @@ def env_kwargs_of(args: Args, split: str) -> dict:
     low, high = (
         (args.low_arm_name, args.high_arm_name) if split == "train" else (args.val_low_arm_name, args.val_high_arm_name)
     )
-    return dict(low_name=low, high_name=high)
+    pairs = (RAGEN_TRAIN_PAIRS if split == "train" else RAGEN_TEST_PAIRS) if args.arm_pairs == "ragen" else ()
+    return dict(low_name=low, high_name=high, payout_draw=args.payout_draw, pairs=pairs)
 
 
 def episode_stats(trajs: list[Trajectory], split: str) -> dict:
@@ -838,19 +921,37 @@ def reply_stats(trajs: list[Trajectory]) -> dict:
     }
 
 
-def filter_stats(group_std: torch.Tensor, kept: torch.Tensor, trained_rows: int) -> dict:
-    """What the uncertainty filter saw (every group's reward std) and kept."""
+def filter_stats(scores: torch.Tensor, stat: torch.Tensor, kept: list[int]) -> dict:
+    """What the filter saw and kept, under RAGEN's names (rollout_filter.py): each group's reward std, mean and max,
+    averaged over all groups and over the kept ones; how many groups were kept, and how many had a zero statistic."""
+    G, n = scores.shape
+    by = dict(std=scores.std(dim=1) if n > 1 else torch.zeros(G), mean=scores.mean(dim=1), max=scores.amax(dim=1))
+    out = {f"rollout/in_group_{k}": v.mean().item() for k, v in by.items()}  # each v: (G,)
+    out.update({f"rollout/chosen_in_group_{k}": v[kept].mean().item() for k, v in by.items() if kept})
     return {
-        "rollout/in_group_std": group_std.mean().item(),
-        "rollout/chosen_in_group_std": group_std[kept].mean().item(),
-        "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
-        "rollout/kept_groups": len(kept),
-        "rollout/trained_rows": trained_rows,
+        **out,
+        "rollout/zero_std_frac": (by["std"] < 1e-6).float().mean().item(),
+        "rollout/filter_kept_count": len(kept),
+        "rollout/filter_kept_ratio": len(kept) / G,
+        "rollout/filter_zero_count": int((stat.abs() <= 1e-10).sum()),
+        "rollout/empty_after_filter": int(not kept),
     }
 
 
+def pass_stats(successes: list, n: int, split: str) -> dict:
+    """pass@k over groups of n consecutive episodes of one initial state: the unbiased 1 - C(n-c, k) / C(n, k)
+    (common.pass_at_k) for k = 1, 2, 4, ... up to n; pass@n is RAGEN's (any success in the group)."""
+    if n < 2:
+        return {}
+    wins = [sum(successes[i : i + n]) for i in range(0, len(successes), n)]  # c: successes per initial state
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n})
+    return {f"{split}/pass@{k}": statistics.mean(common.pass_at_k(n, c, k) for c in wins) for k in ks}
+
+
 def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajectory]]:
-    seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
+    """--val-size fixed episodes (never trained on), each played --val-samples times; the first play of each is
+    returned for the rollout log."""
+    seeds = [10**9 + i for i in range(args.val_size) for _ in range(args.val_samples)]
     trajs = rollout(
         generate,
         tok,
@@ -860,7 +961,8 @@ def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajec
         args.max_model_len - args.max_tokens,
         rubric,
     )
-    return episode_stats(trajs, "val"), trajs
+    passes = pass_stats([t.turn.info["success"] for t in trajs], args.val_samples, "val")
+    return {**episode_stats(trajs, "val"), **passes}, trajs[:: args.val_samples]
 
 
 def print_sample(step: int, t: Trajectory) -> None:
@@ -876,7 +978,8 @@ def main(argv=None):
     args, device, model_name, backend, resume_from = resolve_args(args)
     threads, precision = cpu.setup(device, args.precision)  # malloc, threads, precision: before any model work
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    pairs = sorted({(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)})
+    pairs = {(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)}
+    pairs = sorted(pairs | set(RAGEN_TRAIN_PAIRS + RAGEN_TEST_PAIRS if args.arm_pairs == "ragen" else []))
     model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(pairs))) if model_name == "tiny" else model_name
     preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
     write_line(
@@ -895,10 +998,8 @@ def main(argv=None):
     policy = load(policy_path)
     ref = load(model_path).eval() if args.kl_coef > 0 else None
     critic = Critic(model_path, dtype).to(device) if args.estimator == "gae" else None
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    critic_opt = (
-        torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
-    )
+    adamw = lambda net, lr: torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=args.weight_decay) if net else None
+    opt, critic_opt = adamw(policy, args.lr), adamw(critic, args.critic_lr)  # AdamW's betas: (0.9, 0.999)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
     # bf16 on a CPU: replies come from a bf16 copy of the policy, as from a bf16 vLLM engine (autocast's casts in
     # every decode step cost more than they save), refreshed after each update; the update recomputes their log-probs.
@@ -931,40 +1032,53 @@ def main(argv=None):
             seeds, room = [s for s in group_seeds for _ in range(n)], args.max_model_len - args.max_tokens
             trajs = rollout(generate, tok, seeds, env_kwargs_of(args, "train"), args.temperature, room, rubric)
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
-
-        # ---- uncertainty filter: train only on the groups whose rewards disagree most ------------------------------
-        group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
-        kept = filter_groups(scores, args.keep_ratio)  # (K,)
-        batch_trajs = [trajs[g * n + j] for g in kept.tolist() for j in range(n)]  # K * n trajectories
-        batch = collate(batch_trajs, tok.pad_token_id, device)
-        N, R = batch["reply_mask"].shape
-        truncated = torch.tensor([t.truncated for t in batch_trajs], device=device)  # (N,)
-        trained = ~truncated if args.mask_truncated else torch.ones_like(truncated)  # (N,)
-        mask = batch["reply_mask"] * trained[:, None]  # (N, R)
-
-        # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
-        with run.timer("logprob"):
-            old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)  # (N, R) each
-
-        # ---- advantages: grpo or gae (see advantages_of) ---------------------------------------------------------
-        advantages, returns = advantages_of(args, scores[kept], batch, mask, old["old_values"])  # (N, R) each
-
-        # ---- PPO update ------------------------------------------------------------------------------------------
-        with run.timer("update"):
-            if args.vllm_sleep:
-                llm.sleep(level=1)  # the engine's weights to CPU memory and its KV cache freed, for the update
-            inputs = dict(mask=mask, advantages=advantages, returns=returns, **old)  # (N, R) each
-            stats, skipped = ppo_update(
-                policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
-            )
-            if llm is not None:
-                vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
-            elif sampler is not policy:
-                sampler.load_state_dict(policy.state_dict())  # the bf16 sampler takes the new weights, cast
-
-        # ---- log -------------------------------------------------------------------------------------------------
         record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
-        record.update(filter_stats(group_std, kept, N), **stats, **mismatch)
+        record.update(pass_stats([t.turn.info["success"] for t in trajs], n, "train"))
+        if collapse.due(step, args.mi_every):  # RAGEN-2's template-collapse check, on the batch before the filter
+            with run.timer("collapse"):
+                turns = [(i // n, *t.first_turn()) for i, t in enumerate(trajs)]  # (group, prompt X, reply Z)
+                thinks = [t.turn.think for t in trajs]
+                record.update(collapse.first_turn_diagnostics(policy, tok, turns, thinks, run, step, autocast))
+
+        # ---- filter: train only on the groups whose rewards disagree (StarPO-S: top 25%; RAGEN-2: top-p of the std) ----
+        stat = common.group_stat(scores, args.filter_stat)  # (G,)
+        kept = select_groups(
+            stat, args.filter, args.keep_ratio, args.filter_prob_mode, args.filter_include_zero, args.filter_eps
+        )
+        record.update(filter_stats(scores, stat, kept))
+        run.log_groups(step, stat.tolist(), kept)  # groups.jsonl: the report shows each step's groups
+        skipped = 0
+        if kept:  # no group left with a signal (RAGEN-2): skip the update; --empty-stop-steps such steps end the run
+            batch_trajs = [trajs[g * n + j] for g in kept for j in range(n)]  # K * n trajectories
+            batch = collate(batch_trajs, tok.pad_token_id, device)
+            N, R = batch["reply_mask"].shape
+            truncated = torch.tensor([t.truncated for t in batch_trajs], device=device)  # (N,)
+            trained = ~truncated if args.mask_truncated else torch.ones_like(truncated)  # (N,)
+            mask = batch["reply_mask"] * trained[:, None]  # (N, R)
+
+            # ---- old log-probs, reference log-probs, values (no grad) --------------------------------------------
+            with run.timer("logprob"):
+                old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)  # (N, R) each
+
+            # ---- advantages: grpo or gae (see advantages_of), scaled by the kept share if asked ---------------------
+            advantages, returns = advantages_of(args, scores[kept], batch, mask, old["old_values"])  # (N, R) each
+            advantages = advantages * common.filter_loss_scale(len(kept), G, args.filter_loss_scaling)
+
+            # ---- PPO update --------------------------------------------------------------------------------------
+            with run.timer("update"):
+                if args.vllm_sleep:
+                    llm.sleep(level=1)  # the engine's weights to CPU memory and its KV cache freed, for the update
+                inputs = dict(mask=mask, advantages=advantages, returns=returns, **old)  # (N, R) each
+                stats, skipped = ppo_update(
+                    policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
+                )
+                if llm is not None:
+                    vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
+                if sampler is not policy:
+                    sampler.load_state_dict(policy.state_dict())  # the bf16 sampler takes the new weights, cast
+            record.update(stats, **mismatch, **{"rollout/trained_rows": N})
+
+        # ---- log ---------------------------------------------------------------------------------------------------
         if args.sample_every and step % args.sample_every == 0:
             print_sample(step, trajs[0])
         if run.eval_due(step):

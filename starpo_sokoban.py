@@ -52,10 +52,10 @@ class Args:
     """'tiny' (embedded, CPU), a Hugging Face id or a local directory; auto = Qwen2.5-0.5B-Instruct on CUDA, tiny on CPU"""
     steps: int = 200
     """training steps"""
-    algo: Literal["starpo", "starpo-s"] = "starpo-s"
-    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3"""
-    estimator: Literal["gae", "grpo", "turn-grpo"] = "gae"
-    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn"""
+    algo: Literal["starpo", "starpo-s", "starpo-s2"] = "starpo-s"
+    """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3. starpo-s2: starpo-s with RAGEN-2's filter (top-p 0.9 of the reward-std mass, zero-std groups dropped)"""
+    estimator: Literal["gae", "grpo", "turn-grpo", "bi-level-gae"] = "gae"
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn; bi-level-gae = RAGEN's turn-level GAE (--high-level-gamma between turns), then token-level within each turn"""
     seed: int = 0
     """random seed (training seeds, sampling, shuffling)"""
     output_dir: Optional[str] = None
@@ -86,8 +86,20 @@ class Args:
     """groups (distinct initial states) per step"""
     group_size: int = 16
     """rollouts per group, all from the same seed"""
+    filter: Literal["none", "top_k", "top_k_abs", "top_p", "min_p"] = "top_k"
+    """which groups to train on (RAGEN's rollout filter): top_k the --keep-ratio share with the largest statistic; top_p the fewest holding --keep-ratio of its total (RAGEN-2); min_p those >= --keep-ratio x the largest; top_k_abs --keep-ratio groups"""
     keep_ratio: float = 0.25
-    """uncertainty filter: fraction of groups kept"""
+    """the filter's value: a fraction in (0, 1] (top_k, top_p, min_p) or a number of groups (top_k_abs)"""
+    filter_stat: Literal["std", "var"] = "std"
+    """the statistic each group is ranked by: the sample std (ddof 1) of its episode scores (RAGEN's code) or their variance"""
+    filter_prob_mode: Literal["linear", "softmax"] = "linear"
+    """top_p: the mass is the statistic itself (linear) or its softmax"""
+    filter_include_zero: bool = True
+    """let groups whose statistic is 0 be kept (RAGEN-2 drops them: they carry no signal)"""
+    filter_eps: float = 0.01
+    """top_p linear: keep nothing when the statistic's total is under eps / --keep-ratio (RAGEN's selection_eps)"""
+    filter_loss_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """scale the advantages by the kept share of groups (linear) or its square root"""
     kl_coef: float = 0.0
     """weight of the KL-to-reference loss"""
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
@@ -110,6 +122,8 @@ class Args:
     """discount: gae per token, turn-grpo per turn"""
     lam: float = 1.0
     """gae lambda"""
+    high_level_gamma: float = 0.95
+    """bi-level-gae: the discount between turns"""
     mask_truncated: bool = False
     """do not train on trajectories with a reply cut at --max-tokens (their reward still counts in the group statistics)"""
     lr: float = 1e-6
@@ -162,6 +176,12 @@ class Args:
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
+    empty_stop_steps: int = 5
+    """stop (with a checkpoint) after this many steps in a row whose filter kept no group; 0 = never"""
+    mi_every: int = 5
+    """collapse diagnostics (RAGEN-2's prompt-reasoning mutual information) every N steps; 0 = off"""
+    val_samples: int = 1
+    """replies per evaluation episode; > 1 logs val/pass@k (unbiased) for k = 1, 2, 4, ... up to it"""
     max_skipped: int = 3
     """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
     sample_every: int = 10
@@ -195,8 +215,13 @@ PRESETS = {
 # --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
 # Copied from starpo_bandit.ALGOS
 ALGOS = {
-    "starpo": dict(keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
-    "starpo-s": dict(keep_ratio=0.25, kl_coef=0.0, clip_high=0.28, dual_clip=3.0),
+    "starpo": dict(filter="none", keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
+    "starpo-s": dict(
+        filter="top_k", keep_ratio=0.25, filter_include_zero=True, kl_coef=0.0, clip_high=0.28, dual_clip=3.0
+    ),
+    "starpo-s2": dict(
+        filter="top_p", keep_ratio=0.9, filter_include_zero=False, kl_coef=0.0, clip_high=0.28, dual_clip=3.0
+    ),
 }
 
 # `python starpo_x.py --help` prints its help and exits here, before torch loads (seconds): the imports follow.
@@ -207,8 +232,8 @@ import torch.nn as nn  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
-from common import agg_loss, filter_groups, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss  # noqa: E402
-from plumbing import cpu, engine, forward, tiny  # noqa: E402
+from common import agg_loss, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, select_groups, value_loss  # noqa: E402
+from plumbing import collapse, cpu, engine, forward, tiny  # noqa: E402
 from plumbing.report import episode_stats, reply_stats, rollout_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
@@ -844,6 +869,10 @@ class Trajectory:
         """Some reply of this episode hit --max-tokens (--mask-truncated leaves such trajectories untrained)."""
         return any(turn.truncated for turn in self.turns)
 
+    def first_turn(self) -> tuple[list, list]:
+        """The first prompt and the first turn's sampled reply (the collapse diagnostics read their think)."""
+        return self.ids[: self.first_len], self.ids[self.turn_start[0] : self.turn_last_index[0] + 1]
+
 
 def context_ids(t: Trajectory, k: Optional[int]) -> tuple[list[int], int]:
     """The prompt for the next turn and where its history resumes in t.ids: everything, or first prompt + last k turns."""
@@ -1083,6 +1112,12 @@ def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: l
         ]  # kept groups are n consecutive trajectories
         return place_turn_values(rows, values, mask.shape[1]).to(device) * mask, None  # (N, T - 1)
     token_rewards = place_rewards(rows, kept_trajs, mask.shape[1]).to(device)  # (N, T - 1)
+    if args.estimator == "bi-level-gae":  # the turn ends from the turn structure (RAGEN: "reward != 0", see common)
+        ends = [[last - 1 for last in r.last_index] for r in rows]  # column of each turn's last sampled token
+        advantages, returns = common.bi_level_gae(
+            token_rewards, old_values, mask, ends, args.gamma, args.lam, args.high_level_gamma
+        )
+        return masked_whiten(advantages, mask), returns
     advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
     return masked_whiten(advantages, mask), returns
 
@@ -1324,22 +1359,42 @@ def tiny_warmup_examples(args: Args, seed: int = 0, fixed=TINY_WARMUP_FIXED) -> 
     )
 
 
+# Copied from starpo_bandit.pass_stats
+def pass_stats(successes: list, n: int, split: str) -> dict:
+    """pass@k over groups of n consecutive episodes of one initial state: the unbiased 1 - C(n-c, k) / C(n, k)
+    (common.pass_at_k) for k = 1, 2, 4, ... up to n; pass@n is RAGEN's (any success in the group)."""
+    if n < 2:
+        return {}
+    wins = [sum(successes[i : i + n]) for i in range(0, len(successes), n)]  # c: successes per initial state
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n})
+    return {f"{split}/pass@{k}": statistics.mean(common.pass_at_k(n, c, k) for c in wins) for k in ks}
+
+
 # Copied from starpo_bandit.filter_stats
-def filter_stats(group_std: torch.Tensor, kept: torch.Tensor, trained_rows: int) -> dict:
-    """What the uncertainty filter saw (every group's reward std) and kept."""
+def filter_stats(scores: torch.Tensor, stat: torch.Tensor, kept: list[int]) -> dict:
+    """What the filter saw and kept, under RAGEN's names (rollout_filter.py): each group's reward std, mean and max,
+    averaged over all groups and over the kept ones; how many groups were kept, and how many had a zero statistic."""
+    G, n = scores.shape
+    by = dict(std=scores.std(dim=1) if n > 1 else torch.zeros(G), mean=scores.mean(dim=1), max=scores.amax(dim=1))
+    out = {f"rollout/in_group_{k}": v.mean().item() for k, v in by.items()}  # each v: (G,)
+    out.update({f"rollout/chosen_in_group_{k}": v[kept].mean().item() for k, v in by.items() if kept})
     return {
-        "rollout/in_group_std": group_std.mean().item(),
-        "rollout/chosen_in_group_std": group_std[kept].mean().item(),
-        "rollout/zero_std_frac": (group_std < 1e-6).float().mean().item(),
-        "rollout/kept_groups": len(kept),
-        "rollout/trained_rows": trained_rows,
+        **out,
+        "rollout/zero_std_frac": (by["std"] < 1e-6).float().mean().item(),
+        "rollout/filter_kept_count": len(kept),
+        "rollout/filter_kept_ratio": len(kept) / G,
+        "rollout/filter_zero_count": int((stat.abs() <= 1e-10).sum()),
+        "rollout/empty_after_filter": int(not kept),
     }
 
 
 def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajectory]]:
-    seeds = [10**9 + i for i in range(args.val_size)]  # fixed, never used for training
+    """--val-size fixed episodes (never trained on), each played --val-samples times; the first play of each is
+    returned for the rollout log."""
+    seeds = [10**9 + i for i in range(args.val_size) for _ in range(args.val_samples)]
     trajs = rollout(generate, tok, seeds, args, args.val_temperature, rubric)
-    return episode_stats(trajs, "val"), trajs
+    passes = pass_stats([t.success for t in trajs], args.val_samples, "val")
+    return {**episode_stats(trajs, "val"), **passes}, trajs[:: args.val_samples]
 
 
 def print_sample(step: int, t: Trajectory) -> None:
@@ -1379,11 +1434,9 @@ def main(argv=None):
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
     policy = load(policy_path)
     ref = load(model_path).eval() if args.kl_coef > 0 else None
-    critic = Critic(model_path, dtype).to(device) if args.estimator == "gae" else None
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    critic_opt = (
-        torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if critic else None
-    )
+    critic = Critic(model_path, dtype).to(device) if args.estimator in ("gae", "bi-level-gae") else None
+    adamw = lambda net, lr: torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=args.weight_decay) if net else None
+    opt, critic_opt = adamw(policy, args.lr), adamw(critic, args.critic_lr)  # AdamW's betas: (0.9, 0.999)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
     # bf16 on a CPU: replies come from a bf16 copy of the policy, as from a bf16 vLLM engine (autocast's casts in
     # every decode step cost more than they save), refreshed after each update; the update recomputes their log-probs.
@@ -1417,40 +1470,53 @@ def main(argv=None):
         with run.timer("rollout"):
             trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], args, args.temperature, rubric)
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
-
-        # ---- uncertainty filter: train only on the groups whose rewards disagree most ------------------------------
-        group_std = scores.std(dim=1) if n > 1 else torch.zeros(G)  # (G,)
-        kept = filter_groups(scores, args.keep_ratio)  # (K,)
-        kept_trajs = [trajs[g * n + j] for g in kept.tolist() for j in range(n)]  # K * n trajectories
-        rows = training_rows(kept_trajs, args.max_context_turns)  # one per trajectory, or one per turn
-        batch = collate(rows, tok.pad_token_id, device)
-        truncated = torch.tensor([kept_trajs[r.traj].truncated for r in rows], device=device)  # (N,)
-        trained = ~truncated if args.mask_truncated else torch.ones_like(truncated)  # (N,)
-        mask = batch["loss_mask"] * trained[:, None]  # (N, T - 1)
-
-        # ---- old log-probs, reference log-probs, values (no grad) ------------------------------------------------
-        with run.timer("logprob"):
-            old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)
-
-        # ---- advantages: grpo, turn-grpo or gae (see advantages_of) ------------------------------------------------
-        advantages, returns = advantages_of(args, scores[kept], kept_trajs, rows, mask, old["old_values"])  # (N, T - 1)
-
-        # ---- PPO update ------------------------------------------------------------------------------------------
-        with run.timer("update"):
-            if args.vllm_sleep:
-                llm.sleep(level=1)  # the engine's weights to CPU memory and its KV cache freed, for the update
-            inputs = dict(mask=mask, advantages=advantages, returns=returns, **old)  # (N, T - 1) each
-            stats, skipped = ppo_update(
-                policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
-            )
-            if llm is not None:
-                vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
-            elif sampler is not policy:
-                sampler.load_state_dict(policy.state_dict())  # the bf16 sampler takes the new weights, cast
-
-        # ---- log -------------------------------------------------------------------------------------------------
         record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
-        record.update(filter_stats(group_std, kept, len(rows)), **stats, **mismatch)
+        record.update(pass_stats([t.success for t in trajs], n, "train"))
+        if collapse.due(step, args.mi_every):  # RAGEN-2's template-collapse check, on the batch before the filter
+            with run.timer("collapse"):
+                turns = [(i // n, *t.first_turn()) for i, t in enumerate(trajs) if t.turns]  # (group, X, Z)
+                thinks = [turn.think for t in trajs for turn in t.turns]
+                record.update(collapse.first_turn_diagnostics(policy, tok, turns, thinks, run, step, autocast))
+
+        # ---- filter: train only on the groups whose rewards disagree (StarPO-S: top 25%; RAGEN-2: top-p of the std) ----
+        stat = common.group_stat(scores, args.filter_stat)  # (G,)
+        kept = select_groups(
+            stat, args.filter, args.keep_ratio, args.filter_prob_mode, args.filter_include_zero, args.filter_eps
+        )
+        record.update(filter_stats(scores, stat, kept))
+        run.log_groups(step, stat.tolist(), kept)  # groups.jsonl: the report shows each step's groups
+        skipped = 0
+        if kept:  # no group left with a signal (RAGEN-2): skip the update; --empty-stop-steps such steps end the run
+            kept_trajs = [trajs[g * n + j] for g in kept for j in range(n)]  # K * n trajectories
+            rows = training_rows(kept_trajs, args.max_context_turns)  # one per trajectory, or one per turn
+            batch = collate(rows, tok.pad_token_id, device)
+            truncated = torch.tensor([kept_trajs[r.traj].truncated for r in rows], device=device)  # (N,)
+            trained = ~truncated if args.mask_truncated else torch.ones_like(truncated)  # (N,)
+            mask = batch["loss_mask"] * trained[:, None]  # (N, T - 1)
+
+            # ---- old log-probs, reference log-probs, values (no grad) --------------------------------------------
+            with run.timer("logprob"):
+                old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)
+
+            # ---- advantages: grpo, turn-grpo, gae or bi-level-gae (see advantages_of), scaled if asked ------------
+            advantages, returns = advantages_of(args, scores[kept], kept_trajs, rows, mask, old["old_values"])
+            advantages = advantages * common.filter_loss_scale(len(kept), G, args.filter_loss_scaling)  # (N, T - 1)
+
+            # ---- PPO update --------------------------------------------------------------------------------------
+            with run.timer("update"):
+                if args.vllm_sleep:
+                    llm.sleep(level=1)  # the engine's weights to CPU memory and its KV cache freed, for the update
+                inputs = dict(mask=mask, advantages=advantages, returns=returns, **old)  # (N, T - 1) each
+                stats, skipped = ppo_update(
+                    policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
+                )
+                if llm is not None:
+                    vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
+                if sampler is not policy:
+                    sampler.load_state_dict(policy.state_dict())  # the bf16 sampler takes the new weights, cast
+            record.update(stats, **mismatch, **{"rollout/trained_rows": len(rows)})
+
+        # ---- log ---------------------------------------------------------------------------------------------------
         if args.sample_every and step % args.sample_every == 0:
             print_sample(step, trajs[0])
         if run.eval_due(step):

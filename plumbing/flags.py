@@ -241,7 +241,19 @@ def common_checks(args) -> list[tuple[str, bool, str]]:
         ),
         ("--group-size", args.group_size >= 1, "must be >= 1"),
         ("--n-groups", args.n_groups >= 1, "must be >= 1"),
-        ("--keep-ratio", 0 < args.keep_ratio <= 1, f"must be in (0, 1], got {args.keep_ratio}"),
+        (
+            "--keep-ratio",
+            args.keep_ratio >= 1 and args.keep_ratio == int(args.keep_ratio)
+            if args.filter == "top_k_abs"
+            else 0 < args.keep_ratio <= 1,
+            f"must be a whole number of groups >= 1 with --filter top_k_abs, got {args.keep_ratio}"
+            if args.filter == "top_k_abs"
+            else f"must be in (0, 1], got {args.keep_ratio}",
+        ),
+        ("--filter-eps", args.filter_eps >= 0, f"must be >= 0, got {args.filter_eps}"),
+        ("--empty-stop-steps", args.empty_stop_steps >= 0, "must be >= 0"),
+        ("--mi-every", args.mi_every >= 0, "must be >= 0"),
+        ("--val-samples", args.val_samples >= 1, "must be >= 1"),
         ("--dual-clip", args.dual_clip == 0 or args.dual_clip > 1, f"must be > 1 (or 0 = off), got {args.dual_clip}"),
         ("--clip-low", 0 <= args.clip_low < 1, f"must be in [0, 1), got {args.clip_low}"),
         ("--clip-high", args.clip_high >= 0, f"must be >= 0, got {args.clip_high}"),

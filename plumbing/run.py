@@ -185,6 +185,7 @@ class Run:
         self.out_dir = Path(args.output_dir)
         self.resume_from = resume_from
         self.start_step, self.history, self.warned, self.skipped_in_a_row, self.time_before = 1, [], set(), 0, 0.0
+        self.empty_in_a_row, self.stopped_at = 0, None  # steps in a row whose filter kept no group; an early stop
         if resume_from is None:
             (self.out_dir / "config.json").write_text(json.dumps(dict(dataclasses.asdict(args), **config), indent=1))
         else:
@@ -194,6 +195,7 @@ class Run:
             set_rng_state(saved["rng"], *self.generators)
             self.start_step, self.history = saved["step"] + 1, saved["history"]
             self.warned, self.skipped_in_a_row = set(saved["warned"]), saved["skipped_in_a_row"]
+            self.empty_in_a_row = saved.get("empty_in_a_row", 0)
             self.time_before = float(saved.get("time_s", 0.0))
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # the steps after the checkpoint will be run again
                 truncate_jsonl(self.out_dir / name, saved["step"])
@@ -247,6 +249,8 @@ class Run:
         for step in self.bar:
             self.timings, self.t_step = {}, time.time()
             yield step
+            if self.stopped_at:
+                return
 
     def log_eval(self, step: int, val: dict, records) -> None:
         """Step 0's evaluation (before any update): its own metrics line, rollouts and a first report."""
@@ -264,6 +268,8 @@ class Run:
         """Everything after the update: timers, warnings, metrics line, report, bar, guards, checkpoint, stop."""
         args = self.args
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        self.empty_in_a_row = self.empty_in_a_row + 1 if record.get("rollout/empty_after_filter") else 0
+        record["rollout/consecutive_empty_after_filter_steps"] = self.empty_in_a_row
         timings = dict(self.timings)
         if "rollout" in timings:  # the rollout's time that was not generation: the environment and tokenising
             timings["env"] = timings.pop("rollout") - timings.get("gen", 0.0)
@@ -297,7 +303,14 @@ class Run:
                 f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
                 f"without saving. Last good checkpoint: {latest_checkpoint(self.out_dir) or 'none'}",
             )
-        if step == args.steps or (args.save_every and step % args.save_every == 0) or self.stop.requested:
+        if args.empty_stop_steps and self.empty_in_a_row >= args.empty_stop_steps:  # RAGEN-2's early stop
+            self.stopped_at = step
+            write_line(
+                f"stopped after step {step}: the filter kept no group for {self.empty_in_a_row} steps in a row "
+                f"(every group's rewards agreed: nothing left to learn from; --empty-stop-steps); "
+                f"checkpoint {self.checkpoint(step)}"
+            )
+        elif step == args.steps or (args.save_every and step % args.save_every == 0) or self.stop.requested:
             path = self.checkpoint(step)
             if self.stop.requested and step < args.steps:
                 write_line(
@@ -313,6 +326,7 @@ class Run:
             history=self.history,
             warned=sorted(self.warned),
             skipped_in_a_row=self.skipped_in_a_row,
+            empty_in_a_row=self.empty_in_a_row,
             time_s=self.time_s(),
         )
         state.update({name: obj.state_dict() for name, obj in self.state.items()})
@@ -325,7 +339,7 @@ class Run:
         evals = [r for r in read_jsonl(self.out_dir / "metrics.jsonl") if "val/success" in r]
         last = latest_checkpoint(self.out_dir)  # none when --steps 0
         write_line(
-            f"done: {self.args.steps} steps in {self.time_s():.0f}s, final val/success "
+            f"done: {self.stopped_at or self.args.steps} steps in {self.time_s():.0f}s, final val/success "
             f"{evals[-1]['val/success']:.3f}{extra}; policy: {last / 'policy' if last else 'none saved'}; "
             f"report: {build_report(self.out_dir)}"
         )

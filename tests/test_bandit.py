@@ -408,7 +408,7 @@ def test_smoke_two_steps(algo, estimator, tmp_path):
         assert "critic/vf_loss" in rows[1] and "critic" in state
     else:
         assert "actor/kl_loss" in rows[1] and "critic" not in state  # starpo keeps the KL term
-    assert rows[1]["rollout/kept_groups"] == (1 if algo == "starpo-s" else 2)
+    assert rows[1]["rollout/filter_kept_count"] == (1 if algo == "starpo-s" else 2)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["algo"] == algo and config["model_path"] and config["task"] == "bandit"
     from transformers import AutoModelForCausalLM

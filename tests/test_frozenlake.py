@@ -772,7 +772,7 @@ EXPECTED_KEYS = {
     "rollout/in_group_std",
     "rollout/chosen_in_group_std",
     "rollout/zero_std_frac",
-    "rollout/kept_groups",
+    "rollout/filter_kept_count",
     "rollout/truncated_frac",
     "actor/pg_loss",
     "actor/pg_clipfrac",
@@ -870,7 +870,7 @@ def test_smoke_grpo_with_kl_and_one_row_per_turn(tmp_path):
     rows = read(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert EXPECTED_KEYS <= set(rows[1]) and "actor/kl_loss" in rows[1] and "critic/vf_loss" not in rows[1]
-    assert rows[1]["rollout/trained_rows"] >= rows[1]["rollout/kept_groups"] * 3  # a row per turn
+    assert rows[1]["rollout/trained_rows"] >= rows[1]["rollout/filter_kept_count"] * 3  # a row per turn
     assert (tmp_path / "report.html").exists() and plumbing.run.latest_checkpoint(tmp_path).name == "step-000002"
 
 

@@ -72,9 +72,15 @@ def test_the_bandit_logs_the_same_keys_where_they_apply():
 def test_filter_stats_are_one_function_everywhere():
     import torch
 
-    std, kept = torch.tensor([0.0, 0.5, 1.0, 0.0]), torch.tensor([2, 1])
-    out = sb.filter_stats(std, kept, 8)
-    assert out == fl.filter_stats(std, kept, 8) == ss.filter_stats(std, kept, 8)
+    # four groups of two: std (ddof 1) 0, 0.5, 1, 0; the filter kept groups 1 and 2
+    scores = torch.tensor([[1.0, 1.0], [0.0, 1.0 / 2**0.5], [0.0, 2**0.5], [3.0, 3.0]], dtype=torch.float64)
+    stat = scores.std(dim=1)
+    out = sb.filter_stats(scores, stat, [1, 2])
+    assert out == fl.filter_stats(scores, stat, [1, 2]) == ss.filter_stats(scores, stat, [1, 2])
     assert out["rollout/zero_std_frac"] == 0.5 and out["rollout/chosen_in_group_std"] == 0.75
-    assert out["rollout/kept_groups"] == 2 and out["rollout/trained_rows"] == 8
+    assert out["rollout/filter_kept_count"] == 2 and out["rollout/filter_kept_ratio"] == 0.5
+    assert out["rollout/filter_zero_count"] == 2 and out["rollout/empty_after_filter"] == 0
+    assert out["rollout/in_group_max"] == (1 + 2**-0.5 + 2**0.5 + 3) / 4
+    empty = sb.filter_stats(scores, stat, [])
+    assert empty["rollout/empty_after_filter"] == 1 and "rollout/chosen_in_group_std" not in empty
     assert plumbing.flags.given_fields(fl.Args(max_turns=3)) == {"max_turns"}

@@ -1,0 +1,112 @@
+"""Which filter learns best here: StarPO-S's top-k against RAGEN-2's top-p against no filter, on a task's default command.
+
+    python bench/filters.py bandit --seeds 0 1 2            # 3 filters x 3 seeds of `python starpo_bandit.py`
+    python bench/filters.py sokoban --seeds 0 --filters top_p  # some of them
+    python bench/filters.py bandit --seeds 0 -- --steps 4 --val-size 8   # extra flags for every run, after --
+
+Each run is the task's default command (the tiny preset, warm model cache: training time only) with the filter's
+flags added: `top_k` = --algo starpo-s (the paper's StarPO-S, the default), `top_p` = --algo starpo-s2 (RAGEN-2's
+recommended filter: top-p 0.9 of the reward-std mass, zero-std groups dropped, empty batches skipped), `none` =
+--algo starpo-s --filter none (the same algorithm training on every group). Writes bench/results/filters_<task>.json:
+per run, val/success by step and by wall time, the kept ratio, skipped (empty) steps, the collapse (MI) curves and
+the cost of the diagnostics; per filter, the mean over seeds. Every figure comes from these runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import harness
+
+FILTERS = {
+    "top_k": ["--algo", "starpo-s"],
+    "top_p": ["--algo", "starpo-s2"],
+    "none": ["--algo", "starpo-s", "--filter", "none"],
+}
+CURVES = (
+    "collapse/mi_estimate",
+    "collapse/mi_zscore",
+    "collapse/mi_zscore_ema",
+    "collapse/retrieval_accuracy",
+    "collapse/retrieval_chance_level",
+    "collapse/conditional_entropy_est",
+    "collapse/reasoning_entropy_est",
+    "collapse/valid_thinking_rate",
+    "actor/entropy",
+    "rollout/in_group_std",
+)
+
+
+def summarise_run(rows: list[dict], wall: float) -> dict:
+    train = [r for r in rows if r["step"] >= 1]
+    evals = [r for r in rows if "val/success" in r]
+    mean = lambda key: statistics.mean(r[key] for r in train if key in r) if any(key in r for r in train) else None
+    step_s = [r["timing_s/step"] for r in train if "timing_s/step" in r]
+    mi_s = [r.get("timing_s/collapse", 0.0) for r in train]
+    return {
+        "val_success": {str(r["step"]): round(r["val/success"], 4) for r in evals},
+        "val_success_at_s": {str(r["step"]): round(r.get("time_s", 0.0), 1) for r in evals},
+        "final_val_success": evals[-1]["val/success"] if evals else None,
+        "best_val_success": max(r["val/success"] for r in evals) if evals else None,
+        "steps_run": len(train),
+        "kept_ratio_mean": mean("rollout/filter_kept_ratio"),
+        "skipped_steps": sum(r.get("rollout/empty_after_filter", 0) for r in train),
+        "s_per_step_mean": statistics.mean(step_s) if step_s else None,
+        "collapse_s_per_step_mean": statistics.mean(mi_s) if mi_s else None,  # averaged over every step
+        "collapse_share_of_step": (sum(mi_s) / sum(step_s)) if step_s else None,
+        "wall_s": round(wall, 1),
+        "curves": {k: {str(r["step"]): r[k] for r in rows if k in r} for k in CURVES},
+        "warnings": {
+            str(r["step"]): [k for k in r if k.startswith("warn/")]
+            for r in rows
+            if any(k.startswith("warn/") for k in r)
+        },
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("task", choices=["bandit", "frozenlake", "sokoban"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--filters", nargs="+", choices=list(FILTERS), default=list(FILTERS))
+    ap.add_argument(
+        "--out", default=None, help="default bench/results/filters_<task>.json; runs already there are kept"
+    )
+    ap.add_argument("extra", nargs="*", help="flags for every run, after --")
+    args = ap.parse_args(argv)
+    out = Path(args.out or harness.ROOT / "bench" / "results" / f"filters_{args.task}.json")
+    result = json.loads(out.read_text()) if out.exists() else {"task": args.task, "runs": {}}
+    for seed in args.seeds:
+        for name in args.filters:
+            flags = [*FILTERS[name], "--seed", str(seed), *args.extra]
+            print(f"[filters] starpo_{args.task}.py {' '.join(flags)}", file=sys.stderr, flush=True)
+            run = harness.run_script(f"starpo_{args.task}.py", flags, warm_cache=True)
+            result["runs"][f"{name}/seed{seed}"] = {
+                "command": f"python starpo_{args.task}.py {' '.join(flags)}",
+                "machine": harness.machine(run["load_start"]),
+                **summarise_run(run["rows"], run["wall"]),
+            }
+            out.write_text(json.dumps(result, indent=1))  # after every run: a long sweep keeps what it measured
+    by_filter = {}
+    for name in FILTERS:
+        runs = [r for key, r in result["runs"].items() if key.startswith(name + "/")]
+        if runs:
+            by_filter[name] = {
+                "seeds": len(runs),
+                "final_val_success_mean": statistics.mean(r["final_val_success"] for r in runs),
+                "best_val_success_mean": statistics.mean(r["best_val_success"] for r in runs),
+                "kept_ratio_mean": statistics.mean(r["kept_ratio_mean"] or 0.0 for r in runs),
+                "skipped_steps_mean": statistics.mean(r["skipped_steps"] for r in runs),
+                "s_per_step_mean": statistics.mean(r["s_per_step_mean"] for r in runs),
+            }
+    result["by_filter"] = by_filter
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(by_filter, indent=1))
+
+
+if __name__ == "__main__":
+    main()
