@@ -1,5 +1,5 @@
 """Run management: the run directory, metrics files, checkpoints and resume, Ctrl-C / SIGTERM, timers, the progress
-bar and the echo-trap warnings: everything in a script's main() that is not the algorithm.
+bar and the collapse warnings: everything in a script's main() that is not the algorithm.
 
 checkpoints/step-000040/ holds policy/ (a save_pretrained model + tokenizer, loadable on its own), state.pt (critic,
 optimizers, RNG states, step, history) and COMPLETE, written last. It is built under a temporary name and renamed
@@ -27,6 +27,18 @@ from plumbing.flags import fail
 from plumbing.report import build_report, read_jsonl
 
 
+LOGS = ("metrics.jsonl", "rollouts.jsonl", "groups.jsonl", "collapse.jsonl")  # a run's jsonl files, one line per step
+# the metrics collapse_warnings reads, kept per step in Run.history (and in checkpoints, so a resume keeps them)
+HISTORY_KEYS = (
+    "step",
+    "rollout/in_group_std",
+    "actor/grad_norm",
+    "collapse/mi_zscore_ema",
+    "collapse/retrieval_accuracy",
+    "collapse/retrieval_chance_level",
+)
+
+
 class Metrics:
     """Appends one JSON object per line to `path` (flushed every write so a crashed run keeps its history)."""
 
@@ -36,7 +48,10 @@ class Metrics:
         self._f = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        clean = {k: (float(v) if isinstance(v, (np.floating, torch.Tensor)) else v) for k, v in record.items()}
+        # numpy / torch scalars and arrays as plain numbers and lists (groups.jsonl and collapse.jsonl hold lists)
+        clean = {
+            k: (v.tolist() if isinstance(v, (np.generic, np.ndarray, torch.Tensor)) else v) for k, v in record.items()
+        }
         self._f.write(json.dumps(clean, allow_nan=True) + "\n")
         self._f.flush()
 
@@ -57,7 +72,7 @@ def prepare_run_dir(out_dir: Path, resume: bool, overwrite: bool) -> Path | None
         fail(
             "--output-dir", f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it"
         )
-    for name in ("metrics.jsonl", "rollouts.jsonl", "report.html", "config.json"):
+    for name in (*LOGS, "report.html", "config.json"):
         (out_dir / name).unlink(missing_ok=True)
     shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
     shutil.rmtree(out_dir / "warmup", ignore_errors=True)
@@ -169,9 +184,9 @@ class Run:
 
     main() builds the models, then hands this object what a checkpoint must hold; from there main() reads as the
     algorithm (rollout -> filter -> old log-probs -> advantages -> update -> log) and this object does the rest:
-      * start: config.json (fresh run), or resume: optimizer / critic / RNG state back, metrics.jsonl and
-        rollouts.jsonl cut back to the checkpoint's step, time_s continuing where it stopped;
-      * per step: phase timers (`with run.timer("gen"):`), the echo-trap check, metrics.jsonl, report.html after
+      * start: config.json (fresh run), or resume: optimizer / critic / RNG state back, the jsonl files cut back
+        to the checkpoint's step, time_s continuing where it stopped;
+      * per step: phase timers (`with run.timer("gen"):`), the collapse warnings, metrics.jsonl, report.html after
         every evaluation (and every evaluation printed), the progress bar, the non-finite-update guard,
         checkpoints every --save-every steps, and the Ctrl-C / SIGTERM stop with a copy-pasteable resume command.
     """
@@ -195,11 +210,10 @@ class Run:
             self.start_step, self.history = saved["step"] + 1, saved["history"]
             self.warned, self.skipped_in_a_row = set(saved["warned"]), saved["skipped_in_a_row"]
             self.time_before = float(saved.get("time_s", 0.0))
-            for name in ("metrics.jsonl", "rollouts.jsonl"):  # the steps after the checkpoint will be run again
+            for name in LOGS:  # the steps after the checkpoint will be run again
                 truncate_jsonl(self.out_dir / name, saved["step"])
             write_line(f"resumed from {resume_from} at step {saved['step']}")
-        self.metrics = Metrics(self.out_dir / "metrics.jsonl")
-        self.rollouts = Metrics(self.out_dir / "rollouts.jsonl")
+        self.metrics, self.rollouts, self.groups, self.collapse = (Metrics(self.out_dir / name) for name in LOGS)
         self.stop = GracefulStop()
         self.t_start = time.time()
         self.timings: dict[str, float] = {}
@@ -239,6 +253,14 @@ class Run:
         for r in records:
             self.rollouts.write(r)
 
+    def log_groups(self, step: int, row: dict) -> None:
+        """One line of groups.jsonl: what the filter saw and kept this step (stat, strategy, value, values, kept)."""
+        self.groups.write({"step": step, **row})
+
+    def log_collapse(self, step: int, row: dict) -> None:
+        """One line of collapse.jsonl: the log-prob matrix behind the MI estimate (matrix, cols, prompts)."""
+        self.collapse.write({"step": step, **row})
+
     def steps(self, desc: str):
         """The training steps still to run, under a progress bar; phase timers start afresh each step."""
         self.bar = tqdm_bar(
@@ -268,15 +290,15 @@ class Run:
         if "rollout" in timings:  # the rollout's time that was not generation: the environment and tokenising
             timings["env"] = timings.pop("rollout") - timings.get("gen", 0.0)
         record.update({f"timing_s/{k}": v for k, v in timings.items()})
-        self.history.append({k: v for k, v in record.items() if k in ("rollout/in_group_std", "actor/grad_norm")})
+        self.history.append({k: v for k, v in record.items() if k in HISTORY_KEYS})
         if skipped:
             write_line(
                 f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient "
                 f"({self.skipped_in_a_row} step(s) in a row)"
             )
-        for msg in echo_trap_warnings(self.history, self.warned):
-            write_line(f"[echo-trap warning, step {step}] {msg}")
-            record["warn/echo_trap"] = 1
+        for kind, msg in collapse_warnings(self.history, self.warned):
+            write_line(f"warning: {kind.replace('_', ' ')}: {msg} (step {step})")
+            record[f"warn/{kind}"] = 1  # the report marks this step on the charts this kind concerns
         record["timing_s/step"] = time.time() - self.t_step
         record["time_s"], record["timestamp"] = self.time_s(), time.time()
         self.metrics.write(record)
@@ -320,8 +342,8 @@ class Run:
 
     def finish(self, extra: str = "") -> None:
         """Close the files and print the final line: steps, time, last val/success, where the policy and report are."""
-        self.metrics.close()
-        self.rollouts.close()
+        for f in (self.metrics, self.rollouts, self.groups, self.collapse):
+            f.close()
         evals = [r for r in read_jsonl(self.out_dir / "metrics.jsonl") if "val/success" in r]
         last = latest_checkpoint(self.out_dir)  # none when --steps 0
         write_line(
@@ -344,24 +366,44 @@ def write_line(text: str) -> None:
     tqdm.write(text)
 
 
-def echo_trap_warnings(history: list[dict], warned: set) -> list[str]:
-    """RAGEN's collapse markers, printed and counted in warn/echo_trap: the in-group reward std falls first, then the
-    entropy, and gradient-norm spikes mark the point of no return. We warn when (a) the mean in-group std over the
-    last 3 steps falls below 10% of its best earlier value (from step 8), or (b) the gradient norm exceeds 5x the
-    median of the previous 10 steps. (a) also fires on convergence (every reply the same and right): check
-    val/success, which an echo trap makes fall."""
+def collapse_warnings(history: list[dict], warned: set) -> list[tuple[str, str]]:
+    """RAGEN's collapse markers, as (kind, message) pairs: end_step prints each ("warning: echo trap: ...") and sets
+    warn/<kind> to 1 on that step, and the report marks the step on the charts of that kind only. history: one dict
+    per step with HISTORY_KEYS (a key is absent on a step that did not log it); warned: the once-per-run kinds that
+    already fired (updated here). Three kinds:
+
+    * echo_trap: the in-group reward std collapses (RAGEN: it falls first, then the entropy). From step 8, when the
+      mean in-group std over the last 3 steps falls below 10% of its best earlier value; once per run. It also
+      fires on convergence (every reply the same and right): check val/success, which an echo trap makes fall.
+    * gradient_spike: the gradient norm exceeds 5x the median of the previous 10 finite norms (from 6 norms on),
+      RAGEN's point of no return; every time. One spike alone is often harmless: see whether val/success holds.
+    * template_collapse: the reasoning stops depending on the prompt. Over the steps that carry
+      collapse/mi_zscore_ema, once at least 4 measurements exist, when the mean of the last 2 is below 30% of the
+      best earlier value (before those 2) and that best value exceeds 0.5; once per run.
+    """
     out = []
-    stds = [h["rollout/in_group_std"] for h in history]
-    if len(stds) >= 8 and "std" not in warned:
+    stds = [v for h in history if math.isfinite(v := h.get("rollout/in_group_std", math.nan))]
+    if len(stds) >= 8 and "echo_trap" not in warned:
         best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
         if best > 0 and recent < 0.1 * best:
-            warned.add("std")
-            out.append(
-                f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}): echo trap, or convergence; check val/success"
-            )
-    norms = [h["actor/grad_norm"] for h in history if math.isfinite(h.get("actor/grad_norm", float("nan")))]
-    if len(norms) >= 6:
+            warned.add("echo_trap")
+            why = f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}), or the policy converged"
+            out.append(("echo_trap", why + "; check val/success"))
+    norms = [v for h in history if math.isfinite(v := h.get("actor/grad_norm", math.nan))]
+    now = history[-1].get("actor/grad_norm", math.nan) if history else math.nan  # absent on a skipped step
+    if len(norms) >= 6 and math.isfinite(now):
         med = statistics.median(norms[-11:-1])
         if med > 0 and norms[-1] > 5 * med:
-            out.append(f"gradient norm spiked to {norms[-1]:.3g} (median of the last 10: {med:.3g}): a collapse marker")
+            why = f"gradient norm {norms[-1]:.3g} is over 5x the median of the last 10 ({med:.3g})"
+            out.append(("gradient_spike", why + "; see whether val/success holds"))
+    mi = [h for h in history if math.isfinite(h.get("collapse/mi_zscore_ema", math.nan))]
+    if len(mi) >= 4 and "template_collapse" not in warned:
+        best = max(mi[:-2], key=lambda h: h["collapse/mi_zscore_ema"])
+        top, recent = best["collapse/mi_zscore_ema"], statistics.mean(h["collapse/mi_zscore_ema"] for h in mi[-2:])
+        if top > 0.5 and recent < 0.3 * top:
+            warned.add("template_collapse")
+            acc, chance = (mi[-1].get(f"collapse/retrieval_{k}", math.nan) for k in ("accuracy", "chance_level"))
+            fell = f"MI z-score (EMA) fell from {top:.2f} (step {best.get('step', '?')}) to {recent:.2f}"
+            why = f"the reasoning stops depending on the prompt (retrieval {acc:.2f} vs chance {chance:.2f})"
+            out.append(("template_collapse", f"{fell}; {why}"))
     return out

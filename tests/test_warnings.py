@@ -1,0 +1,178 @@
+"""plumbing/run.py: the collapse warnings (one named kind each) on synthetic histories, and the run's new writers."""
+
+import json
+import signal
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from plumbing import run as plumbing_run
+from plumbing.run import collapse_warnings
+
+
+def history(std=(), norms=(), mi=()):
+    """One dict per step, as Run.end_step keeps it: step, then whichever metrics that step logged."""
+    n = max(len(std), len(norms), len(mi))
+    rows = [{"step": s + 1} for s in range(n)]
+    for key, values in (("rollout/in_group_std", std), ("actor/grad_norm", norms), ("collapse/mi_zscore_ema", mi)):
+        for row, v in zip(rows, values):
+            if v is not None:  # None: the step did not log it (a skipped step, a step without a collapse measurement)
+                row[key] = v
+    for row in rows:
+        if "collapse/mi_zscore_ema" in row:
+            row.update({"collapse/retrieval_accuracy": 0.15, "collapse/retrieval_chance_level": 0.125})
+    return rows
+
+
+def kinds(rows, warned=None):
+    return [kind for kind, _ in collapse_warnings(rows, set() if warned is None else warned)]
+
+
+def fired_by_step(rows):
+    """Replay a run step by step (as end_step does): step -> the kinds that fired on it."""
+    warned, out = set(), {}
+    for i in range(1, len(rows) + 1):
+        if got := kinds(rows[:i], warned):
+            out[rows[i - 1]["step"]] = got
+    return out
+
+
+# ---- echo trap: the in-group reward std collapses -------------------------------------------------------------------
+
+
+def test_echo_trap_fires_once_when_the_std_collapses():
+    rows = history(std=[0.4] * 6 + [0.02] * 6)
+    fired = fired_by_step(rows)
+    assert fired == {9: ["echo_trap"]}  # the mean of steps 7-9 is 0.02 < 10% of 0.4; never again
+    _, msg = collapse_warnings(rows[:9], set())[0]
+    assert "0.400 -> 0.020" in msg and "val/success" in msg
+
+
+@pytest.mark.parametrize("std", [[0.4] * 12, [0.4] * 5 + [0.06] * 7, [0.0] * 12, [0.4] * 4 + [0.0] * 3])
+def test_echo_trap_quiet_on_a_steady_std_a_mild_fall_an_all_zero_run_or_too_few_steps(std):
+    assert fired_by_step(history(std=std)) == {}
+
+
+# ---- gradient spike -------------------------------------------------------------------------------------------------
+
+
+def test_a_gradient_spike_alone_is_only_a_gradient_spike():
+    """The FrozenLake case: one spike at step 69 while everything else held."""
+    norms = [1.0 + 0.01 * (s % 3) for s in range(68)] + [40.0] + [1.0] * 5
+    rows = history(std=[0.3] * 74, norms=norms)
+    fired = fired_by_step(rows)
+    assert fired == {69: ["gradient_spike"]}
+    msg = dict(collapse_warnings(rows[:69], set()))["gradient_spike"]
+    assert "40" in msg and "1.01" in msg
+
+
+def test_gradient_spike_fires_each_time_and_not_on_a_skipped_step():
+    rows = history(norms=[1.0] * 8 + [20.0] + [1.0] * 8 + [30.0] + [None])  # step 19 skipped: no actor/* at all
+    assert fired_by_step(rows) == {9: ["gradient_spike"], 18: ["gradient_spike"]}
+
+
+def test_gradient_spike_needs_six_norms_and_ignores_nan():
+    assert fired_by_step(history(norms=[1.0] * 4 + [50.0])) == {}
+    assert fired_by_step(history(norms=[1.0] * 6 + [float("nan"), 1.0])) == {}
+
+
+# ---- template collapse: the MI z-score (EMA) falls -----------------------------------------------------------------
+
+
+def test_template_collapse_fires_once_on_a_falling_series():
+    mi = [None, 1.0, None, 2.0, None, 1.5, None, 0.5, None, 0.3, None, 0.1, None, 0.05]  # measured every 2 steps
+    rows = history(mi=mi)
+    assert fired_by_step(rows) == {10: ["template_collapse"]}  # (0.5 + 0.3) / 2 = 0.4 < 0.3 * 2.0; never again
+    msg = dict(collapse_warnings(rows[:10], set()))["template_collapse"]
+    assert msg == (
+        "MI z-score (EMA) fell from 2.00 (step 4) to 0.40; the reasoning stops depending on the prompt "
+        "(retrieval 0.15 vs chance 0.12)"
+    )
+
+
+@pytest.mark.parametrize(
+    "mi",
+    [
+        [1.5, 1.5, 1.5, 1.5, 1.5, 1.5],  # flat
+        [0.2, 0.5, 1.0, 2.0, 3.0],  # rising
+        [2.0, 0.1, 0.1],  # falling, but only 3 measurements
+        [0.4, 0.4, 0.05, 0.05],  # fell, but never above 0.5: there was no prompt dependence to lose
+        [2.0, 2.0, 0.7, 0.5],  # the last two average 0.6, above 30% of 2.0
+    ],
+)
+def test_template_collapse_quiet(mi):
+    assert fired_by_step(history(mi=mi)) == {}
+
+
+def test_template_collapse_needs_four_measurements_not_four_steps():
+    rows = history(std=[0.3] * 9, mi=[2.0, None, None, None, None, 0.1, None, None, 0.1])  # 3 measurements
+    assert fired_by_step(rows) == {}
+    assert kinds(rows + history(mi=[None] * 9 + [0.1])[9:]) == ["template_collapse"]  # a fourth
+
+
+def test_kinds_fire_together_and_apart():
+    rows = history(std=[0.4] * 6 + [0.01] * 3, norms=[1.0] * 8 + [9.0], mi=[2.0, None, 2.0, None, 0.1, None, 0.1])
+    assert fired_by_step(rows) == {7: ["template_collapse"], 9: ["echo_trap", "gradient_spike"]}
+
+
+# ---- the run's writers and end_step -----------------------------------------------------------------------------
+
+
+@dataclass
+class Args:
+    output_dir: str
+    steps: int = 100
+    eval_every: int = 0
+    save_every: int = 0
+    max_skipped: int = 3
+
+
+@pytest.fixture
+def run(tmp_path):
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    r = plumbing_run.Run(Args(str(tmp_path)), "frozenlake", None, None, None, {}, {})
+    r.bar = SimpleNamespace(set_postfix=lambda _: None)
+    yield r
+    for f in (r.metrics, r.rollouts, r.groups, r.collapse):
+        f.close()
+    for sig, handler in handlers.items():  # Run installs Ctrl-C / SIGTERM handlers; pytest keeps its own
+        signal.signal(sig, handler)
+
+
+def lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_log_groups_and_log_collapse_append_one_line_per_step(run, tmp_path):
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    run.log_groups(
+        7, {"stat": "std", "strategy": "top_p", "value": 0.9, "values": torch.tensor([0.0, 0.5]), "kept": [1]}
+    )
+    run.log_groups(8, {"stat": "std", "strategy": "top_p", "value": 0.9, "values": [0.1, 0.2], "kept": [0, 1]})
+    run.log_collapse(10, {"matrix": np.array([[-1.0, -2.0]]), "cols": [0], "prompts": ["a", "b"]})
+    assert lines(tmp_path / "groups.jsonl") == [
+        {"step": 7, "stat": "std", "strategy": "top_p", "value": 0.9, "values": [0.0, 0.5], "kept": [1]},
+        {"step": 8, "stat": "std", "strategy": "top_p", "value": 0.9, "values": [0.1, 0.2], "kept": [0, 1]},
+    ]
+    assert lines(tmp_path / "collapse.jsonl") == [
+        {"step": 10, "matrix": [[-1.0, -2.0]], "cols": [0], "prompts": ["a", "b"]}
+    ]
+    assert {"groups.jsonl", "collapse.jsonl"} <= set(plumbing_run.LOGS)  # cut back on resume, removed on --overwrite
+
+
+def test_end_step_names_the_warning_in_the_line_and_the_metric(run, tmp_path, capsys):
+    for step in range(1, 10):
+        run.t_step = time.time()
+        record = {"step": step, "train/success": 0.5, "rollout/in_group_std": 0.3, "actor/grad_norm": 1.0}
+        if step == 9:
+            record["actor/grad_norm"] = 50.0
+        run.end_step(step, record, skipped=0)
+    rows = lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if any(k.startswith("warn/") for k in r)] == [9]
+    assert rows[-1]["warn/gradient_spike"] == 1 and "warn/echo_trap" not in rows[-1]
+    out = capsys.readouterr().out
+    assert "warning: gradient spike: gradient norm 50 is over 5x" in out and out.count("warning:") == 1
+    assert run.history[-1] == {"step": 9, "rollout/in_group_std": 0.3, "actor/grad_norm": 50.0}
