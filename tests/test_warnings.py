@@ -6,7 +6,9 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from plumbing import run as plumbing_run
 from plumbing.run import collapse_warnings
@@ -146,8 +148,6 @@ def lines(path):
 
 
 def test_log_groups_and_log_collapse_append_one_line_per_step(run, tmp_path):
-    np = pytest.importorskip("numpy")
-    torch = pytest.importorskip("torch")
     run.log_groups(
         7, {"stat": "std", "strategy": "top_p", "value": 0.9, "values": torch.tensor([0.0, 0.5]), "kept": [1]}
     )
