@@ -3,17 +3,21 @@
     python -m plumbing.report runs/bandit-starpo-s-gae-s0      # (re)builds runs/bandit-starpo-s-gae-s0/report.html
 
 The scripts call `build_report(output_dir)` at every evaluation and at the end; the page is rewritten atomically,
-so a browser refresh during training never sees half a file. It reads config.json, metrics.jsonl and rollouts.jsonl
-(any of them may be missing or still being written) and shows:
+so a browser refresh during training never sees half a file. It reads config.json, metrics.jsonl, rollouts.jsonl,
+groups.jsonl and collapse.jsonl (any of them may be missing or still being written) and shows:
 
 * a header: task, algorithm, model, key settings, steps run, wall time, best and last val/success;
 * curves drawn here as inline SVG: success (with the random / optimal baselines, dashed, where the script logs
   them), reward, in-group reward std before and after the filter, entropy, gradient norm, response and think
-  length, clip fractions and every rubric component; red dashed verticals mark steps where an echo-trap warning
-  fired. Hover a point for its value;
+  length, clip fractions, every rubric component (titled with its weight) and, when the run measures it, the
+  mutual information between prompt and reasoning beside the entropy. A warning (run.collapse_warnings) draws a
+  dashed vertical, in its own colour, on the charts of its kind only. Hover a point for its value;
+* the uncertainty filter (groups.jsonl): every group's statistic at a step you pick, the kept groups coloured, and
+  the kept ratio and skipped (empty) steps over training;
+* template collapse (collapse.jsonl): the latest reasoning-by-prompt log-prob matrix as a heatmap;
 * a rollout viewer (a little vanilla JavaScript): pick a split, a step and a trajectory; each turn shows the grid as
   coloured cells (the bandit: its two arms, the chosen one highlighted), the reply with <think> and <answer>
-  highlighted, the actions, the reward and the rubric breakdown.
+  highlighted, the actions (a move the ice sent another way marked "slipped"), the reward and the rubric breakdown.
 
 Standard library only. No network: no external files, and a Content-Security-Policy that allows only this page's
 own script. Model text never reaches the page as markup: it is html-escaped, or embedded as JSON with every `<`
@@ -37,6 +41,7 @@ from pathlib import Path
 MAX_ROLLOUTS_PER_SPLIT = 200  # embedded in the page; more would make it slow to open
 MAX_ROLLOUTS_PER_STEP = 24
 MAX_TEXT = 4000  # characters kept of each state / reply
+LOGS_PER_STEP = ("groups.jsonl", "collapse.jsonl")  # Run.log_groups / log_collapse: one line per (measured) step
 
 ########################################################################################################################
 # WRITING A RUN — what the scripts log for the report: rollout records and the episode statistics
@@ -62,6 +67,9 @@ def rollout_record(t, step: int, split: str, task: str) -> dict:
         )
         for turn in t.turns
     ]
+    for rec, turn in zip(turns, t.turns):  # FrozenLake's info["slipped"]: one bool per action, where a move slipped
+        if any(i.get("slipped") for i in turn.infos):
+            rec["slipped"] = [bool(i.get("slipped")) for i in turn.infos]
     final = t.turns[-1].after if t.turns else None  # the world after the last move: a solved room, a goal reached
     return dict(
         step=step,
@@ -177,14 +185,16 @@ def latest_per_step(rows: list[dict], key) -> list[dict]:
     return sorted((row for block in blocks.values() for row in block), key=lambda row: row["step"])  # stable
 
 
-def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict]]:
+def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], list[dict], list[dict]]:
+    """config, then metrics, rollouts, groups and collapse rows (each jsonl file: one step's latest lines, by step)."""
     try:
         config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = {}
     metrics = latest_per_step(read_jsonl(run_dir / "metrics.jsonl"), lambda r: r["step"])
     rollouts = latest_per_step(read_jsonl(run_dir / "rollouts.jsonl"), lambda r: (str(r.get("split")), r["step"]))
-    return (config if isinstance(config, dict) else {}), metrics, rollouts
+    groups, collapse = (latest_per_step(read_jsonl(run_dir / f), lambda r: r["step"]) for f in LOGS_PER_STEP)
+    return (config if isinstance(config, dict) else {}), metrics, rollouts, groups, collapse
 
 
 def infer_task(config: dict, rollouts: list[dict], run_dir: Path) -> str:
@@ -215,6 +225,12 @@ def series(metrics: list[dict], key: str) -> list[tuple[float, float | None]]:
 COLOURS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#db2777"]  # train is always the first (blue)
 BASELINE_COLOURS = {"random": "#6b7280", "optimal": "#059669"}
 WARN_COLOUR = "#dc2626"
+# warn/<kind> (run.collapse_warnings) -> the colour of its markers; each chart names the kinds it concerns
+WARNINGS = {"echo_trap": WARN_COLOUR, "gradient_spike": "#d97706", "template_collapse": "#c026d3"}
+SKIP_COLOUR = "#6b7280"  # a step the filter left empty (nothing trained)
+KEPT_COLOUR, DROPPED_COLOUR = "#0d9488", "#cbd5e1"  # the filter view's bars
+HEAT_LOW, HEAT_HIGH = (247, 251, 255), (8, 48, 107)  # the heatmap's colour scale, low to high log-prob (RGB)
+OWN_COLOUR = "#f59e0b"  # the heatmap's outline of each reasoning's own prompt
 W, H, LEFT, RIGHT, TOP, BOTTOM = 420, 230, 60, 14, 30, 36  # chart size and margins, px
 
 
@@ -237,14 +253,18 @@ def esc(s) -> str:
     return html.escape(str(s), quote=True).replace("\u2028", "&#x2028;").replace("\u2029", "&#x2029;")
 
 
+def slug_of(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
 def line_chart(
-    title: str, lines: list, x_range: tuple, baselines=(), warnings=(), y_fixed=None, ylabel="", note=""
+    title: str, lines: list, x_range: tuple, baselines=(), marks=(), y_fixed=None, ylabel="", note=""
 ) -> str:
     """One chart as a <figure>. lines: (label, [(step, value or None)], colour); baselines: (label, value, colour),
-    drawn as dashed horizontals; warnings: steps marked with red dashed verticals; note: a line under the chart."""
+    drawn as dashed horizontals; marks: (step, label, colour), dashed verticals (a warning, a skipped step); note: a
+    line under the chart."""
     values = [y for _, pts, _ in lines for _, y in pts if y is not None] + [v for _, v, _ in baselines]
-    slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
-    head = f'<figure class="chart" data-chart="{esc(slug)}"><figcaption>{esc(title)}</figcaption>'
+    head = f'<figure class="chart" data-chart="{esc(slug_of(title))}"><figcaption>{esc(title)}</figcaption>'
     if not values:
         return head + '<div class="empty">no data yet</div></figure>'
     lo, hi = y_fixed or (min(0.0, *values), max(0.0, *values))
@@ -274,12 +294,12 @@ def line_chart(
         f'<text transform="translate(11 {(TOP + H - BOTTOM) / 2}) rotate(-90)" class="label" '
         f'text-anchor="middle">{esc(ylabel)}</text>'
     )
-    for step in warnings:
+    for step, label, colour in marks:
         out.append(
-            f'<g class="echo-trap"><title>echo-trap warning at step {int(step)}</title>'
-            f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="{WARN_COLOUR}" '
+            f'<g class="mark" data-mark="{esc(slug_of(label))}"><title>{esc(label)} at step {int(step)}</title>'
+            f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="{colour}" '
             f'stroke-dasharray="3 3" stroke-width="1.5"/><path d="M{px(step) - 5:.1f},{TOP - 8} h10 l-5,8 z" '
-            f'fill="{WARN_COLOUR}"/></g>'
+            f'fill="{colour}"/></g>'
         )
     for label, v, colour in baselines:
         out.append(
@@ -306,7 +326,7 @@ def line_chart(
                 if y is not None
             ]
     legend = [(label, colour, "") for label, _, colour in lines] + [(label, c, "6 4") for label, _, c in baselines]
-    legend += [("echo trap", WARN_COLOUR, "3 3")] if warnings else []
+    legend += list({label: (label, colour, "3 3") for _, label, colour in marks}.values())  # one entry per kind
     x = LEFT + 6
     for label, colour, dash in legend:  # one row of "—— label" along the top
         out.append(
@@ -324,24 +344,48 @@ CLIP_NOTE = (
 )
 
 
-def charts(metrics: list[dict]) -> list[str]:
-    """The fixed set of curves, then one chart per rubric component (every chart is present, maybe empty)."""
+def chart_maker(metrics: list[dict]):
+    """chart(title, [(key, label)], ylabel, ...) -> one line_chart of these metrics on the run's step axis, with the
+    markers of the warning kinds it concerns (warn) and any other marks (step, label, colour)."""
     steps = [r["step"] for r in metrics]
     x_range = (min(steps), max(steps)) if steps else (0, 1)
     if x_range[1] - x_range[0] < 1:
         x_range = (x_range[0], x_range[0] + 1)
-    warnings = [r["step"] for r in metrics if number(r.get("warn/echo_trap")) == 1]
-    clip_values = [v for _, v in series(metrics, "actor/pg_clipfrac") if v is not None]
+    fired = {kind: [r["step"] for r in metrics if number(r.get(f"warn/{kind}")) == 1] for kind in WARNINGS}
 
-    def chart(title, keys, ylabel, y_fixed=None, baselines=(), note=""):
+    def chart(title, keys, ylabel, y_fixed=None, baselines=(), note="", warn=(), marks=()):
         lines = [(label, series(metrics, k), COLOURS[i]) for i, (k, label) in enumerate(keys) if series(metrics, k)]
         base = []
         for key, label in baselines:  # the evaluation maps are fixed, so a baseline is one value: the last logged
             vals = [v for _, v in series(metrics, key) if v is not None]
             if vals:
                 base.append((label, vals[-1], BASELINE_COLOURS[label]))
-        return line_chart(title, lines, x_range, base, warnings, y_fixed, ylabel, note)
+        marks = [*marks, *((s, kind.replace("_", " "), WARNINGS[kind]) for kind in warn for s in fired[kind])]
+        return line_chart(title, lines, x_range, base, marks, y_fixed, ylabel, note)
 
+    return chart
+
+
+# The mutual-information diagnostics (RAGEN's CollapseDetector), drawn beside the entropy when the run logs them:
+# entropy collapse is a low H(R | prompt) (R: the reasoning), template collapse a low MI = H(R) - H(R | prompt).
+COLLAPSE_CHARTS = [
+    ("Mutual information", [("mi_estimate", "MI"), ("mi_seq_estimate", "MI seq"), ("mi_upper_bound", "bound")], "nats"),
+    ("MI z-score", [("mi_zscore", "z-score"), ("mi_zscore_ema", "EMA")], "z"),
+    ("Retrieval accuracy", [("retrieval_accuracy", "accuracy"), ("retrieval_chance_level", "chance")], "share"),
+    ("Reasoning entropy", [("conditional_entropy_est", "H(R | prompt)"), ("reasoning_entropy_est", "H(R)")], "nats"),
+]
+
+
+def charts(metrics: list[dict], config: dict) -> list[str]:
+    """The fixed set of curves (every one present, maybe empty), the collapse/* charts beside the entropy when the
+    run logs them, then one chart per rubric component titled with its weight (config.json's "rubric")."""
+    chart, echo, tc = chart_maker(metrics), ("echo_trap",), ("template_collapse",)
+    clip_values = [v for _, v in series(metrics, "actor/pg_clipfrac") if v is not None]
+    logged = {k for r in metrics for k in r}
+    named = {f"collapse/{k}" for _, keys, _ in COLLAPSE_CHARTS for k, _ in keys}
+    others = sorted(k for k in logged if k.startswith("collapse/") and k not in named)  # one chart each
+    collapse = [chart(t, [(f"collapse/{k}", label) for k, label in keys], y, warn=tc) for t, keys, y in COLLAPSE_CHARTS]
+    collapse += [chart(k, [(k, "measured")], "", warn=tc) for k in others]
     out = [
         chart(
             "Success",
@@ -349,15 +393,18 @@ def charts(metrics: list[dict]) -> list[str]:
             "success rate",
             (0.0, 1.0),
             [("val/random_success", "random"), ("val/optimal_success", "optimal")],
+            warn=echo,
         ),
         chart("Reward", [("train/reward", "train"), ("val/reward", "val")], "rubric total"),
         chart(
             "In-group reward std",
             [("rollout/in_group_std", "before filter"), ("rollout/chosen_in_group_std", "after filter")],
             "std",
+            warn=echo,
         ),
-        chart("Entropy", [("actor/entropy", "policy entropy")], "nats / token"),
-        chart("Gradient norm", [("actor/grad_norm", "before clipping")], "L2 norm"),
+        chart("Entropy", [("actor/entropy", "policy entropy")], "nats / token", warn=echo + tc),
+        *(collapse if named & logged or others else []),
+        chart("Gradient norm", [("actor/grad_norm", "before clipping")], "L2 norm", warn=("gradient_spike",)),
         chart(
             "Response and think length",
             [("response_length/mean", "reply (tokens)"), ("think_length/mean", "think (chars)")],
@@ -370,9 +417,134 @@ def charts(metrics: list[dict]) -> list[str]:
             note=CLIP_NOTE if clip_values and not any(clip_values) else "",
         ),
     ]
-    rubric = sorted({k for r in metrics for k in r if k.startswith("rubric/")})
-    out += [chart(k, [(k, "train")], "mean (unweighted)") for k in rubric]
+    weights = config.get("rubric") if isinstance(config.get("rubric"), dict) else {}
+    for k in sorted(k for k in logged if k.startswith("rubric/")):
+        w = number(weights.get(k.removeprefix("rubric/")))
+        out.append(chart(k + ("" if w is None else f"  (weight {fmt(w)})"), [(k, "train")], "mean (unweighted)"))
     return out
+
+
+def filter_section(metrics: list[dict], groups: list[dict]) -> str:
+    """The uncertainty filter: a picked step's groups as bars (drawn by the page's script from DATA.groups), the kept
+    ratio and the skipped steps over training. Empty when the run logs neither groups.jsonl nor the filter metrics."""
+    if not groups and not series(metrics, "rollout/filter_kept_ratio"):
+        return ""
+    chart = chart_maker(metrics)
+    skipped = [
+        (r["step"], "skipped step", SKIP_COLOUR) for r in metrics if number(r.get("rollout/empty_after_filter")) == 1
+    ]
+    bars = (
+        '<figure class="chart groups"><figcaption id="group-caption"></figcaption><label class="muted">step '
+        '<select id="group-step"></select></label><div id="group-bars"></div><div class="legend-row">'
+        f'<span><i class="swatch" style="background:{KEPT_COLOUR}"></i> kept (trained on)</span>'
+        f'<span><i class="swatch" style="background:{DROPPED_COLOUR}"></i> dropped</span></div></figure>'
+        if groups
+        else ""
+    )
+    return (
+        '<h2 id="filter">Uncertainty filter</h2><div class="charts">'
+        + bars
+        + chart(
+            "Kept groups", [("rollout/filter_kept_ratio", "kept ratio")], "share of groups", (0.0, 1.0), marks=skipped
+        )
+        + chart(
+            "Empty after filter",
+            [("rollout/empty_after_filter", "skipped"), ("rollout/consecutive_empty_after_filter_steps", "in a row")],
+            "steps",
+            marks=skipped,
+        )
+        + "</div>"
+    )
+
+
+def group_rows(groups: list[dict]) -> list[dict]:
+    """groups.jsonl for the page: per step, every group's statistic (4 significant digits) and the kept indices."""
+    out = []
+    for g in groups:
+        if isinstance(g.get("values"), list):
+            values = [None if (v := number(x)) is None else float(f"{v:.4g}") for x in g["values"]]
+            kept = [k for k in g.get("kept") or [] if isinstance(k, int) and 0 <= k < len(values)]
+            meta = {k: str(g.get(k, "?")) for k in ("stat", "strategy", "value")}
+            out.append(dict(step=g["step"], values=values, kept=kept, **meta))
+    return out
+
+
+def heatmap(row: dict) -> str:
+    """One collapse.jsonl line as an SVG heatmap: row r is reasoning r scored under every prompt (its per-token mean
+    log-prob), its own prompt's cell outlined and the cell it scores best under dotted. "" when malformed."""
+    m, cols, prompts = row.get("matrix"), row.get("cols"), row.get("prompts")
+    if not (isinstance(m, list) and m and all(isinstance(r, list) and len(r) == len(m[0]) > 0 for r in m)):
+        return ""
+    R, N = len(m), len(m[0])
+    cols = [c if isinstance(c, int) and 0 <= c < N else None for c in (cols if isinstance(cols, list) else [])]
+    cols += [None] * (R - len(cols))
+    names = [str(p)[:20] for p in (prompts if isinstance(prompts, list) else [])][:N]
+    names += [f"prompt {j}" for j in range(len(names), N)]
+    vals = [[number(v) for v in r] for r in m]
+    finite = [v for r in vals for v in r if v is not None]
+    if not finite:
+        return ""
+    lo, hi = min(finite), max(finite)
+    hi = hi if hi > lo else lo + 1
+
+    def shade(v: float) -> str:  # lo -> HEAT_LOW, hi -> HEAT_HIGH
+        return "rgb({},{},{})".format(*(round(a + (b - a) * (v - lo) / (hi - lo)) for a, b in zip(HEAT_LOW, HEAT_HIGH)))
+
+    cw, ch, left, top = 44, max(6, min(22, 400 // R)), 56, 24 + 4 * max(map(len, names))  # room for slanted names
+    width, height = left + N * cw + 110, top + max(R * ch, 140) + 10
+    out = [f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" aria-label="heatmap">']
+    for j, name in enumerate(names):  # column labels, slanted
+        x = left + j * cw + cw / 2
+        out.append(f'<text transform="translate({x:.0f} {top - 6}) rotate(-40)" class="tick">{esc(name)}</text>')
+    hits = 0
+    for r, (cells, own) in enumerate(zip(vals, cols)):
+        y = top + r * ch
+        if R <= 24 or r % 5 == 0:
+            out.append(f'<text x="{left - 6}" y="{y + ch / 2 + 3:.1f}" class="tick" text-anchor="end">{r}</text>')
+        for j, v in enumerate(cells):
+            fill = "#e5e7eb" if v is None else shade(v)
+            title = f"reasoning {r} (from {names[own] if own is not None else '?'}) under {names[j]}: "
+            out.append(
+                f'<rect x="{left + j * cw}" y="{y}" width="{cw}" height="{ch}" fill="{fill}">'
+                f"<title>{esc(title)}{'—' if v is None else f'{v:.3f}'}</title></rect>"
+            )
+        if own is not None:
+            out.append(
+                f'<rect class="own" x="{left + own * cw + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" '
+                f'fill="none" stroke="{OWN_COLOUR}" stroke-width="2"/>'
+            )
+        if any(v is not None for v in cells):
+            best = max((j for j, v in enumerate(cells) if v is not None), key=lambda j: cells[j])
+            hits += best == own
+            out.append(
+                f'<circle cx="{left + best * cw + cw / 2}" cy="{y + ch / 2}" r="{min(3.5, ch / 3):.1f}" fill="#111827" '
+                'stroke="#ffffff" stroke-width="1"/>'
+            )
+    x = left + N * cw + 24  # the colour scale: high at the top
+    out.append(f'<text x="{x}" y="{top - 8}" class="label">log-prob</text>')
+    for i in range(10):
+        v = hi - (hi - lo) * i / 9
+        out.append(f'<rect x="{x}" y="{top + i * 14}" width="18" height="14" fill="{shade(v)}"/>')
+    out.append(
+        f'<text x="{x + 24}" y="{top + 10}" class="tick">{fmt(hi)}</text>'
+        f'<text x="{x + 24}" y="{top + 136}" class="tick">{fmt(lo)}</text></svg>'
+    )
+    note = (
+        f"{R} reasonings (rows) scored under each of {N} prompts (columns). Outlined: the prompt the reasoning came "
+        f"from; dot: the prompt it scores best under. {hits} of {R} rows pick their own prompt (chance "
+        f"{1 / N:.2f}). When the reasoning stops depending on the prompt, the columns look alike and the dots scatter."
+    )
+    return (
+        f'<figure class="chart heatmap"><figcaption>Reasoning × prompt log-probs, step {int(row["step"])}</figcaption>'
+        + "".join(out)
+        + f'<div class="note">{esc(note)}</div></figure>'
+    )
+
+
+def collapse_section(collapse: list[dict]) -> str:
+    """The latest collapse.jsonl matrix as a heatmap; "" when the run has none (no empty heading)."""
+    drawn = heatmap(collapse[-1]) if collapse else ""
+    return f'<h2 id="collapse">Template collapse</h2><div class="charts">{drawn}</div>' if drawn else ""
 
 
 ########################################################################################################################
@@ -460,6 +632,7 @@ def viewer_rollouts(rollouts: list[dict]) -> tuple[list[dict], int]:
                             text=clip_text(t.get("text")),
                             answer=None if answer is None else clip_text(answer),
                             actions=[str(a) for a in t.get("actions") or []],
+                            slipped=[bool(x) for x in t.get("slipped") or []],  # per action: the ice chose the way
                             env_reward=number(t.get("env_reward")),
                             score=number(t.get("score")),
                             rubric={str(k): number(v) for k, v in (t.get("rubric") or {}).items()},
@@ -533,7 +706,11 @@ def header(config: dict, metrics: list[dict], task: str, run_dir: Path) -> str:
     wall = max((number(r.get("time_s")) or 0.0 for r in metrics), default=0.0)
     val = [(r["step"], v) for r in metrics if (v := number(r.get("val/success"))) is not None]
     best = max(val, key=lambda sv: sv[1]) if val else None
-    warn = [r["step"] for r in metrics if number(r.get("warn/echo_trap")) == 1]
+    warn = [
+        f"{kind.replace('_', ' ')}: " + ", ".join(f"step {s}" for s in steps)
+        for kind in WARNINGS
+        if (steps := [r["step"] for r in metrics if number(r.get(f"warn/{kind}")) == 1])
+    ]
     planned = config.get("steps")
     facts = [
         ("task", task),
@@ -548,7 +725,7 @@ def header(config: dict, metrics: list[dict], task: str, run_dir: Path) -> str:
         vals = [v for _, v in series(metrics, key) if v is not None]
         if vals:
             facts.append((key.split("/")[1].replace("_", " "), f"{vals[-1]:.3f}"))
-    facts.append(("echo-trap warnings", ", ".join(f"step {s}" for s in warn) if warn else "none"))
+    facts.append(("warnings", "; ".join(warn) or "none"))
     cards = "".join(f'<div class="fact"><span>{esc(k)}</span><b>{esc(v)}</b></div>' for k, v in facts)
     settings = " · ".join(f"{esc(k)} <b>{esc(config[k])}</b>" for k in KEY_SETTINGS if k in config)
     full = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in config.items())
@@ -591,7 +768,14 @@ table.rubric td{padding:0 12px 0 0;font-size:13px}pre.state{white-space:pre-wrap
     + ARM_CHOSEN_COLOUR
     + """;border-color:#b45309}
 .ok{color:#15803d}.bad{color:#b91c1c}.muted{color:#6b7280}.legend-row{font-size:11px;color:#4b5563;margin-top:4px}
-.legend-row span{margin-right:10px;white-space:nowrap}.legend-row svg{vertical-align:-2px;outline:1px solid #d1d5db}
+.legend-row span{margin-right:10px;white-space:nowrap}
+.swatch{display:inline-block;width:10px;height:10px;vertical-align:-1px}.groups .bar{fill:"""
+    + DROPPED_COLOUR
+    + """}.groups .bar.kept{fill:"""
+    + KEPT_COLOUR
+    + """}
+.legend-row svg{vertical-align:-2px;outline:1px solid #d1d5db}
+.slipped{background:#fde68a;color:#92400e;border-radius:6px;padding:0 4px;margin-left:4px;font-size:11px}
 """
 )
 
@@ -678,7 +862,9 @@ JS = r"""
     else board.append(el("div", "muted", "no grid in this state"));
     const answer = el("div", "", "answer: ",
       turn.answer === null ? el("span", "bad", "none (not well formed)") : el("b", "", turn.answer));
-    const chips = turn.actions.length ? turn.actions.map((a) => el("span", "chip", a)) : [el("span", "bad", "none")];
+    const slip = () => Object.assign(el("small", "slipped", "slipped"), { title: "the ice sent this move another way" });
+    const chips = turn.actions.length ? turn.actions.map((a, j) => el("span", "chip", a, ...(turn.slipped[j] ? [slip()] : [])))
+                                      : [el("span", "bad", "none")];
     const rubric = el("table", "rubric");
     for (const [k, v] of Object.entries(turn.rubric))
       rubric.append(el("tr", "", el("td", "", k), el("td", "", num(v))));
@@ -726,16 +912,46 @@ JS = r"""
     $("controls").hidden = true;
     view.replaceChildren(el("p", "muted", "No rollouts logged yet (rollouts.jsonl is missing or empty)."));
   }
+  const groups = DATA.groups;
+  function showGroups() {  // the picked step: every group's statistic as a bar, the kept groups coloured
+    const g = groups.find((r) => String(r.step) === $("group-step").value), n = g.values.length, kept = new Set(g.kept);
+    const W = 420, H = 190, L = 44, T = 12, B = 22, bw = (W - L - 8) / Math.max(n, 1);
+    const top = Math.max(...g.values.map((v) => v || 0), 1e-9), y = (v) => H - B - (H - T - B) * v / top;
+    const box = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}` });
+    for (const v of [0, top]) {
+      box.append(svg("line", { x1: L, x2: W - 8, y1: y(v), y2: y(v), class: v ? "grid" : "axis" }));
+      box.append(Object.assign(svg("text", { x: L - 6, y: y(v) + 4, class: "tick", "text-anchor": "end" }),
+                               { textContent: num(v) }));
+    }
+    g.values.forEach((v, i) => {
+      const h = Math.max(y(0) - y(v || 0), 1.5);  // a zero still shows as a sliver
+      const bar = svg("rect", { x: L + i * bw + 1, y: y(0) - h, width: Math.max(bw - 2, 1), height: h,
+                                class: kept.has(i) ? "bar kept" : "bar" });
+      bar.append(Object.assign(svg("title", {}), { textContent: `group ${i}: ${g.stat} ${num(v)}${kept.has(i) ? " · kept" : ""}` }));
+      box.append(bar);
+      if (n <= 32) box.append(Object.assign(svg("text", { x: L + (i + 0.5) * bw, y: H - 8, class: "tick",
+                                                           "text-anchor": "middle" }), { textContent: String(i) }));
+    });
+    $("group-caption").textContent = `Step ${g.step}: ${g.stat} of each group's rewards · ${g.strategy} ${g.value} · ` +
+      (g.kept.length ? `kept ${g.kept.length} of ${n}` : `nothing kept: the step was skipped`);
+    $("group-bars").replaceChildren(box);
+  }
+  if (groups.length) {
+    fill($("group-step"), groups.map((r) => [String(r.step), `step ${r.step}`]));
+    $("group-step").value = String(groups[groups.length - 1].step);
+    $("group-step").addEventListener("change", showGroups);
+    showGroups();
+  }
   if (root.dataset.reportStatus !== "error") root.dataset.reportStatus = "ok";  // read by the browser test
 })();
 """
 
 
 def render_page(run_dir: Path) -> str:
-    config, metrics, rollouts = load_run(run_dir)
+    config, metrics, rollouts, groups, collapse = load_run(run_dir)
     task = infer_task(config, rollouts, run_dir)
     kept, total = viewer_rollouts(rollouts)
-    data = dict(rollouts=kept, thing_colours=THING_COLOURS)
+    data = dict(rollouts=kept, thing_colours=THING_COLOURS, groups=group_rows(groups))
     # Only this exact script may run: a reply that somehow reached the page as markup could not execute anything.
     script_hash = base64.b64encode(hashlib.sha256(JS.encode()).digest()).decode()
     csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{script_hash}'"
@@ -747,8 +963,10 @@ def render_page(run_dir: Path) -> str:
 <style>{CSS}</style></head><body><main>
 {header(config, metrics, task, run_dir)}
 <h2>Curves</h2><div class="charts">
-{chr(10).join(charts(metrics))}
+{chr(10).join(charts(metrics, config))}
 </div>
+{filter_section(metrics, groups)}
+{collapse_section(collapse)}
 <h2>Rollouts <small class="muted">{esc(note)}</small></h2>
 <div class="controls" id="controls"><label>split <select id="split"></select></label>
 <label>step <select id="step"></select></label>

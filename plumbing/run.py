@@ -34,6 +34,8 @@ HISTORY_KEYS = (
     "rollout/in_group_std",
     "actor/grad_norm",
     "collapse/mi_zscore_ema",
+    "collapse/marginal_std_ema",  # the z-score's running std: the next measurement continues from it
+    "collapse/marginal_std_ema_seq",
     "collapse/retrieval_accuracy",
     "collapse/retrieval_chance_level",
 )
@@ -255,9 +257,12 @@ class Run:
         for r in records:
             self.rollouts.write(r)
 
-    def log_groups(self, step: int, row: dict) -> None:
-        """One line of groups.jsonl: what the filter saw and kept this step (stat, strategy, value, values, kept)."""
-        self.groups.write({"step": step, **row})
+    def log_groups(self, step: int, values: list, kept: list) -> None:
+        """One line of groups.jsonl: what the filter saw (every group's statistic) and kept, with its settings."""
+        a = self.args
+        self.groups.write(
+            dict(step=step, stat=a.filter_stat, strategy=a.filter, value=a.keep_ratio, values=values, kept=kept)
+        )
 
     def log_collapse(self, step: int, row: dict) -> None:
         """One line of collapse.jsonl: the log-prob matrix behind the MI estimate (matrix, cols, prompts)."""

@@ -13,6 +13,7 @@ import sys
 import zlib
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -65,13 +66,14 @@ def make_run(
     steps=6,
     eval_every=2,
     baselines=True,
-    warn_at=(),
+    warn=None,
     rubric=("env", "format"),
     text="<think> go down </think> <answer> Down </answer>",
     rollouts=True,
     config=True,
 ):
-    """A run directory shaped like the scripts' output: config.json, metrics.jsonl, rollouts.jsonl."""
+    """A run directory shaped like the scripts' output: config.json, metrics.jsonl, rollouts.jsonl.
+    warn: {kind: steps} where warn/<kind> is 1."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if config:
         config = dict(
@@ -104,8 +106,9 @@ def make_run(
                     **{f"rubric/{r}": 0.5 for r in rubric},
                 }
             )
-        if step in warn_at:
-            m["warn/echo_trap"] = 1
+        for kind, steps_fired in (warn or {}).items():
+            if step in steps_fired:
+                m[f"warn/{kind}"] = 1
         if step % eval_every == 0 or step == steps:
             m.update({"val/success": 0.2 + 0.1 * step, "val/reward": 0.3})
             if baselines:
@@ -142,6 +145,55 @@ def make_run(
                     )
                 )
         write_jsonl(run_dir / "rollouts.jsonl", rows)
+    return run_dir
+
+
+COLLAPSE_CHARTS = ["Mutual information", "MI z-score", "Retrieval accuracy", "Reasoning entropy"]
+GROUP_VALUES = [0.0, 0.48, 0.1, 0.5, 0.3, 0.52, 0.0, 0.2]  # 8 groups' reward std
+
+
+def add_metrics(run_dir, per_step):
+    """Merge per_step(step) (a dict) into every training step's line of metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    write_jsonl(run_dir / "metrics.jsonl", [{**r, **(per_step(r["step"]) if r["step"] else {})} for r in rows])
+    return run_dir
+
+
+def with_groups(run_dir, skipped=(4,)):
+    """What the scripts log about the filter: its metrics and groups.jsonl; the steps in skipped kept nothing."""
+    add_metrics(
+        run_dir,
+        lambda s: {
+            "rollout/filter_kept_ratio": 0.0 if s in skipped else 0.375,
+            "rollout/empty_after_filter": int(s in skipped),
+            "rollout/consecutive_empty_after_filter_steps": int(s in skipped),
+        },
+    )
+    rows = []
+    for s in range(1, 7):
+        values = [0.0] * 8 if s in skipped else [v + 0.01 * s for v in GROUP_VALUES]
+        kept = [] if s in skipped else [1, 3, 5]
+        rows.append(dict(step=s, stat="std", strategy="top_p", value=0.9, values=values, kept=kept))
+    write_jsonl(run_dir / "groups.jsonl", rows)
+    return run_dir
+
+
+def collapse_row(step, rows=6, cols=3):
+    """One collapse.jsonl line: reasoning r came from prompt r % cols and scores best there, except the last row."""
+    matrix = [[-1.0 - 0.5 * ((r % cols) != c) - 0.1 * r for c in range(cols)] for r in range(rows)]
+    matrix[-1] = matrix[-1][::-1]
+    return dict(
+        step=step, matrix=matrix, cols=[r % cols for r in range(rows)], prompts=[f"map {c}" for c in range(cols)]
+    )
+
+
+def with_collapse(run_dir, every=2):
+    """The collapse/* metrics every `every` steps, and collapse.jsonl on those steps."""
+    keys = ["mi_estimate", "mi_seq_estimate", "mi_upper_bound", "mi_zscore", "mi_zscore_ema", "retrieval_accuracy"]
+    keys += ["retrieval_chance_level", "conditional_entropy_est", "reasoning_entropy_est", "valid_thinking_rate"]
+    add_metrics(run_dir, lambda s: {f"collapse/{k}": 0.1 * s + i for i, k in enumerate(keys)} if s % every == 0 else {})
+    steps = sorted(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    write_jsonl(run_dir / "collapse.jsonl", [collapse_row(s) for s in steps if s and s % every == 0])
     return run_dir
 
 
@@ -192,13 +244,33 @@ def test_baselines_drawn_dashed_when_logged(tmp_path):
     assert 'class="baseline"' not in build(make_run(tmp_path / "without", baselines=False))
 
 
-def test_echo_trap_markers_on_every_chart(tmp_path):
-    page = build(make_run(tmp_path / "run", warn_at=(3, 5)))
-    n_charts = page.count('<figure class="chart"')
-    assert page.count('<g class="echo-trap">') == 2 * n_charts
-    assert "echo-trap warning at step 3" in figure(page, "Entropy") and "echo-trap warning at step 5" in page
-    assert "step 3, step 5" in page  # listed in the header
-    assert 'class="echo-trap"' not in build(make_run(tmp_path / "calm"))
+def marked(page: str, kind: str) -> list[str]:
+    """The titles of the charts that carry a marker of this kind (a warning kind, or "skipped-step")."""
+    figures = re.findall(r'<figure class="chart"[^>]*><figcaption>([^<]*)</figcaption>(.*?)</figure>', page, re.S)
+    return [title for title, body in figures if f'data-mark="{kind}"' in body]
+
+
+def test_each_warning_marks_only_the_charts_it_concerns(tmp_path):
+    page = build(make_run(tmp_path / "echo", warn={"echo_trap": (3, 5)}))
+    assert marked(page, "echo-trap") == ["Success", "In-group reward std", "Entropy"]
+    assert figure(page, "Entropy").count('data-mark="echo-trap"') == 2 and "echo trap at step 3" in page
+    assert "echo trap: step 3, step 5" in page  # listed in the header
+    assert 'class="mark"' not in build(make_run(tmp_path / "calm")) and ">none</b>" in build(make_run(tmp_path / "c2"))
+
+
+def test_a_gradient_spike_alone_marks_only_the_gradient_norm(tmp_path):
+    """The FrozenLake run: one spike at step 69 while val/success held drew a marker on all 13 charts."""
+    page = build(make_run(tmp_path / "run", steps=80, eval_every=10, warn={"gradient_spike": (69,)}))
+    assert marked(page, "gradient-spike") == ["Gradient norm"] and page.count('class="mark"') == 1
+    fig = figure(page, "Gradient norm")
+    assert "gradient spike at step 69" in fig and ">gradient spike</text>" in fig  # hover title, legend entry
+    assert f'stroke="{report.WARNINGS["gradient_spike"]}"' in fig
+    assert "gradient spike: step 69" in page and "echo trap:" not in page
+
+
+def test_template_collapse_marks_the_collapse_charts_and_entropy(tmp_path):
+    run = with_collapse(make_run(tmp_path / "run", warn={"template_collapse": (5,)}))
+    assert marked(build(run), "template-collapse") == ["Entropy", *COLLAPSE_CHARTS, "collapse/valid_thinking_rate"]
 
 
 def test_flat_zero_clip_fractions_say_why(tmp_path):
@@ -229,6 +301,111 @@ def test_header_facts(tmp_path):
     assert "sokoban" in page and "starpo-s / gae" in page and "6 of 6" in page and "0:00:18" in page
     assert "0.800 (step 6)" in page  # best and last val/success: 0.2 + 0.1 * 6
     assert "random success" in page and "0.230" in page
+
+
+# ---- the filter view, the collapse view, rubric weights, slipped moves ------------------------------------------
+
+
+def captions(page: str) -> list[str]:
+    return re.findall(r'<figure class="chart"[^>]*><figcaption>([^<]*)</figcaption>', page)
+
+
+def test_filter_view_shows_every_group_and_marks_the_kept_ones(tmp_path):
+    page = build(with_groups(make_run(tmp_path / "run")))
+    assert '<h2 id="filter">' in page and 'id="group-step"' in page and 'id="group-bars"' in page
+    groups = embedded_data(page)["groups"]  # the page's script draws the picked step's bars from these
+    assert [g["step"] for g in groups] == [1, 2, 3, 4, 5, 6]
+    last = groups[-1]
+    assert last["values"] == [round(v + 0.06, 4) for v in GROUP_VALUES] and last["kept"] == [1, 3, 5]
+    assert (last["stat"], last["strategy"], last["value"]) == ("std", "top_p", "0.9")
+    assert groups[3]["kept"] == [] and groups[3]["values"] == [0.0] * 8  # the skipped step
+    assert report.KEPT_COLOUR in page and "kept (trained on)" in page
+    for title in ("Kept groups", "Empty after filter"):  # over training, the skipped step marked
+        assert "<polyline" in figure(page, title) and "skipped step at step 4" in figure(page, title)
+    assert marked(page, "skipped-step") == ["Kept groups", "Empty after filter"]
+
+
+def test_filter_view_tolerates_odd_rows(tmp_path):
+    run = make_run(tmp_path / "run")
+    bad = [dict(step=1, values="no"), dict(step=2, values=[1, "x", None, float("nan")], kept=[0, 9, "1", 3])]
+    write_jsonl(run / "groups.jsonl", bad)
+    groups = embedded_data(build(run))["groups"]
+    assert groups == [dict(step=2, values=[1.0, None, None, None], kept=[0, 3], stat="?", strategy="?", value="?")]
+
+
+def test_collapse_charts_beside_entropy_and_the_latest_matrix_as_a_heatmap(tmp_path):
+    page = build(with_collapse(make_run(tmp_path / "run")))
+    titles = captions(page)
+    assert titles[titles.index("Entropy") + 1 :][:5] == [*COLLAPSE_CHARTS, "collapse/valid_thinking_rate"]
+    fig = figure(page, "Retrieval accuracy")
+    assert fig.count("<polyline") == 2 and ">chance</text>" in fig  # the chance level, a second line
+    assert ">H(R | prompt)</text>" in figure(page, "Reasoning entropy")
+    assert '<h2 id="collapse">' in page
+    heat = re.search(r'<figure class="chart heatmap">.*?</figure>', page, re.S).group(0)
+    assert "step 6</figcaption>" in heat  # the latest line of collapse.jsonl
+    assert heat.count("<rect x=") == 6 * 3 + 10  # a cell per (reasoning, prompt), then the colour scale's 10
+    assert heat.count('class="own"') == 6 and f'stroke="{report.OWN_COLOUR}"' in heat  # each row's own prompt
+    assert heat.count("<circle") == 6 and "5 of 6 rows pick their own prompt" in heat  # the best cell of each row
+    assert ">map 2</text>" in heat and ">log-prob</text>" in heat and "reasoning 5 (from map 2) under map 0" in heat
+
+
+@pytest.mark.parametrize("row", [dict(step=3), dict(step=3, matrix=[]), dict(step=3, matrix=[[1, 2], [3]])])
+def test_a_malformed_matrix_leaves_the_collapse_section_out(tmp_path, row):
+    run = make_run(tmp_path / "run")
+    write_jsonl(run / "collapse.jsonl", [row])
+    assert 'id="collapse"' not in build(run)
+
+
+def test_a_run_without_groups_or_collapse_has_no_such_sections(tmp_path):
+    page = build(make_run(tmp_path / "run"))
+    for absent in ('id="filter"', 'id="group-step"', 'id="collapse"', "heatmap", "Kept groups", "Mutual information"):
+        assert absent not in page, absent
+    assert embedded_data(page)["groups"] == [] and captions(page) == BASE_CHARTS + ["rubric/env", "rubric/format"]
+
+
+def test_rubric_charts_carry_their_weight(tmp_path):
+    run = make_run(tmp_path / "run", rubric=("format_reward", "progress", "hole_penalty"))
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "rubric": {"format_reward": 1.0, "progress": 0.5}}))
+    titles = [t for t in captions(build(run)) if t.startswith("rubric/")]
+    assert titles == ["rubric/format_reward  (weight 1)", "rubric/hole_penalty", "rubric/progress  (weight 0.5)"]
+
+
+def test_a_slipped_move_is_carried_to_the_viewer(tmp_path):
+    run = make_run(tmp_path / "run", task="frozenlake")
+    rows = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["turns"][0].update(actions=["Down", "Right"], slipped=[False, True])
+    write_jsonl(run / "rollouts.jsonl", rows)
+    page = build(run)
+    turns = embedded_data(page)["rollouts"][0]["turns"]
+    assert turns[0]["slipped"] == [False, True] and turns[1]["slipped"] == []  # a turn without slips: none marked
+    assert '"slipped"' in re.search(r"<script>(.*?)</script>", page, re.S).group(1)  # the viewer draws the badge
+
+
+def test_rollout_record_keeps_the_slips_only_where_a_move_slipped():
+    def turn(*slips):
+        infos = [dict(success=False, slipped=x) for x in slips]
+        return SimpleNamespace(
+            state="s",
+            before={},
+            text="t",
+            think=None,
+            world="",
+            answer="a",
+            env_reward=0.0,
+            reward=0.0,
+            parts={},
+            actions=["Down"] * len(slips),
+            infos=infos,
+            after={},
+        )
+
+    t = SimpleNamespace(seed=0, success=False, score=0.0, turns=[turn(False, True, False), turn(False), turn()])
+    rec = report.rollout_record(t, 1, "train", "frozenlake")
+    assert rec["turns"][0]["slipped"] == [False, True, False]
+    assert "slipped" not in rec["turns"][1] and "slipped" not in rec["turns"][2]  # the README's schema otherwise
+    json.dumps(rec)
 
 
 # ---- empty, partial and odd runs ----------------------------------------------------------------------------------
@@ -331,6 +508,8 @@ def test_model_text_is_escaped_everywhere(tmp_path):
         r["turns"][0].update(state=EVIL + "\n" + SOKOBAN_STATE, answer=EVIL, actions=[EVIL])
         r["seed"] = EVIL
     write_jsonl(run / "rollouts.jsonl", rows)
+    write_jsonl(run / "collapse.jsonl", [{**collapse_row(6), "prompts": [EVIL, EVIL, EVIL]}])  # drawn in Python
+    write_jsonl(run / "groups.jsonl", [dict(step=6, stat=EVIL, strategy=EVIL, value=EVIL, values=[1.0], kept=[0])])
     page = build(run)
 
     for bad in ("<script>alert", "<img", "<!--", "\u2028", "\u2029", "onerror=alert(2)>"):
@@ -342,6 +521,7 @@ def test_model_text_is_escaped_everywhere(tmp_path):
     # ... and nothing is lost: the viewer gets the exact text back
     turn = embedded_data(page)["rollouts"][0]["turns"][0]
     assert turn["text"] == EVIL and turn["answer"] == EVIL and turn["actions"] == [EVIL]
+    assert embedded_data(page)["groups"][0]["stat"] == EVIL  # drawn by the script, as text
     assert turn["state"].startswith(EVIL) and turn["grid"]["legend"]["#"] == "wall"  # the grid comes from the view
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # the config value and rubric title, html-escaped
 
@@ -522,13 +702,27 @@ def open_in_chromium(page: Path, tmp_path: Path, height: int = 2400) -> tuple[st
 
 def test_browser_grid_run(tmp_path):
     """A synthetic Sokoban run: the viewer draws the grid, the charts draw their lines, nothing is logged."""
-    run = make_run(tmp_path / "run", text=EVIL, warn_at=(3,))
+    run = make_run(tmp_path / "run", text=EVIL, warn={"echo_trap": (3,)})
     dom, img = open_in_chromium(report.build_report(run), tmp_path)
     assert 'class="grid-board"' in dom and "alert(1)" in dom  # the reply is shown, as text
     assert pixels_of(img, report.CELL_STYLE["wall"][0]) > 15 * 28 * 28  # the walls: 23 cells of 30 x 30 px per turn
     assert pixels_of(img, report.THING_COLOURS["box"]) > 100  # a box
     assert pixels_of(img, report.COLOURS[0]) > 500 and pixels_of(img, report.COLOURS[1]) > 200  # train and val lines
     assert pixels_of(img, report.WARN_COLOUR) > 50  # the echo-trap markers
+
+
+def test_browser_filter_collapse_and_slips(tmp_path):
+    """The filter view's bars (the last step, its kept groups coloured), the heatmap, and a slipped move's badge."""
+    run = with_collapse(with_groups(make_run(tmp_path / "run", task="frozenlake", steps=6, rubric=("env",))))
+    rows = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["turns"][0].update(actions=["Down", "Right"], slipped=[False, True])
+    write_jsonl(run / "rollouts.jsonl", rows)
+    dom, img = open_in_chromium(report.build_report(run), tmp_path)
+    assert dom.count('class="bar kept"') == 3 and dom.count('class="bar"') == 5  # 8 groups, 1, 3 and 5 kept
+    assert "Step 6: std of each group's rewards · top_p 0.9 · kept 3 of 8" in dom
+    assert dom.count('class="slipped"') == 1 and '>Right<small class="slipped"' in dom  # turn 1's second move
+    assert pixels_of(img, report.KEPT_COLOUR) > 300 and pixels_of(img, report.OWN_COLOUR) > 200
 
 
 def test_browser_tiny_bandit_run(tmp_path):

@@ -6,7 +6,9 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from plumbing import run as plumbing_run
 from plumbing.run import collapse_warnings
@@ -127,6 +129,10 @@ class Args:
     eval_every: int = 0
     save_every: int = 0
     max_skipped: int = 3
+    empty_stop_steps: int = 5
+    filter: str = "top_p"
+    filter_stat: str = "std"
+    keep_ratio: float = 0.9
 
 
 @pytest.fixture
@@ -146,12 +152,8 @@ def lines(path):
 
 
 def test_log_groups_and_log_collapse_append_one_line_per_step(run, tmp_path):
-    np = pytest.importorskip("numpy")
-    torch = pytest.importorskip("torch")
-    run.log_groups(
-        7, {"stat": "std", "strategy": "top_p", "value": 0.9, "values": torch.tensor([0.0, 0.5]), "kept": [1]}
-    )
-    run.log_groups(8, {"stat": "std", "strategy": "top_p", "value": 0.9, "values": [0.1, 0.2], "kept": [0, 1]})
+    run.log_groups(7, torch.tensor([0.0, 0.5]), [1])  # the settings come from the run's flags
+    run.log_groups(8, [0.1, 0.2], [0, 1])
     run.log_collapse(10, {"matrix": np.array([[-1.0, -2.0]]), "cols": [0], "prompts": ["a", "b"]})
     assert lines(tmp_path / "groups.jsonl") == [
         {"step": 7, "stat": "std", "strategy": "top_p", "value": 0.9, "values": [0.0, 0.5], "kept": [1]},
