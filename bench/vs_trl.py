@@ -77,13 +77,15 @@ def completion_text(completion) -> str:
 def bandit_reward(completions, seed, **kwargs) -> list[float]:
     """TRL reward function: starpo_bandit's rubric total for each completion, on the episode its seed defines.
 
-    Same path as starpo_bandit.rollout: reset the env with the row's seed, parse <think>/<answer>, step the env
+    Same path as starpo_bandit.rollout: reset the env with the row's seed and member index, parse <think>/<answer>, step the env
     with the answer ("" when missing), score the Turn with RUBRIC.
     """
-    out = []
+    out, seen = [], {}
     for completion, s in zip(completions, seed, strict=True):
+        member = seen.get(int(s), 0)  # TRL lays a group's copies side by side: the i-th copy is member i, as in rollout
+        seen[int(s)] = member + 1
         env = sb.BanditEnv(**ENV_KWARGS)
-        env.reset(int(s))
+        env.reset(int(s), member)
         text = completion_text(completion)
         think, answer = sb.parse_reply(text)
         _, reward, _, info = env.step(answer if answer is not None else "")

@@ -373,7 +373,8 @@ COLLAPSE_CHARTS = [
     ("MI z-score", [("mi_zscore", "z-score"), ("mi_zscore_ema", "EMA")], "z"),
     ("Retrieval accuracy", [("retrieval_accuracy", "accuracy"), ("retrieval_chance_level", "chance")], "share"),
     ("Reasoning entropy", [("conditional_entropy_est", "H(R | prompt)"), ("reasoning_entropy_est", "H(R)")], "nats"),
-]
+    ("Valid thinking", [("valid_thinking_rate", "turns with a think")], "share"),
+]  # the other collapse/* numbers (per-sequence twins, @k retrieval, counts) stay in metrics.jsonl, uncharted
 
 
 def charts(metrics: list[dict], config: dict) -> list[str]:
@@ -383,9 +384,7 @@ def charts(metrics: list[dict], config: dict) -> list[str]:
     clip_values = [v for _, v in series(metrics, "actor/pg_clipfrac") if v is not None]
     logged = {k for r in metrics for k in r}
     named = {f"collapse/{k}" for _, keys, _ in COLLAPSE_CHARTS for k, _ in keys}
-    others = sorted(k for k in logged if k.startswith("collapse/") and k not in named)  # one chart each
     collapse = [chart(t, [(f"collapse/{k}", label) for k, label in keys], y, warn=tc) for t, keys, y in COLLAPSE_CHARTS]
-    collapse += [chart(k, [(k, "measured")], "", warn=tc) for k in others]
     out = [
         chart(
             "Success",
@@ -403,7 +402,7 @@ def charts(metrics: list[dict], config: dict) -> list[str]:
             warn=echo,
         ),
         chart("Entropy", [("actor/entropy", "policy entropy")], "nats / token", warn=echo + tc),
-        *(collapse if named & logged or others else []),
+        *(collapse if named & logged else []),
         chart("Gradient norm", [("actor/grad_norm", "before clipping")], "L2 norm", warn=("gradient_spike",)),
         chart(
             "Response and think length",

@@ -84,11 +84,28 @@ def test_reward_wrapper_is_the_rubric_total_exactly():
 
 def test_reward_wrapper_hand_computed_values():
     paid, unpaid = _seeds_by_dragon_payout()
-    r = vs_trl.bandit_reward([[{"role": "assistant", "content": c}] for c in COMPLETIONS[:5]], [paid] * 5)
+    # One completion a call, so each is member 0 of its group and draws the seed's first payout.
+    r = [vs_trl.bandit_reward([[{"role": "assistant", "content": c}]], [paid])[0] for c in COMPLETIONS[:5]]
     # env + 0.1 * format + 0.1 * (-1 if invalid)
     assert r == pytest.approx([1.0 + 0.1, 0.15 + 0.1, 1.0, 0.1 - 0.1, -0.1])
-    r = vs_trl.bandit_reward([f"{THINK} <answer> Dragon </answer>", "<answer> Phoenix </answer>"], [unpaid] * 2)
+    r = [
+        vs_trl.bandit_reward([c], [unpaid])[0]
+        for c in (f"{THINK} <answer> Dragon </answer>", "<answer> Phoenix </answer>")
+    ]
     assert r == pytest.approx([0.0 + 0.1, 0.15])
+
+
+def test_reward_wrapper_numbers_a_groups_copies_as_members():
+    """TRL passes a group's copies side by side: the i-th copy of a seed draws member i's payout, as rollout does."""
+    seed, n = 12345, 16
+    got = vs_trl.bandit_reward([f"{THINK} <answer> Dragon </answer>"] * n, [seed] * n)
+    draws = []
+    for member in range(n):
+        env = sb.BanditEnv(**vs_trl.ENV_KWARGS)
+        env.reset(seed, member)
+        draws.append(env.step("Dragon")[1])
+    assert got == pytest.approx([d + 0.1 for d in draws])
+    assert len(set(draws)) == 2  # the members' draws differ: not one shared draw
 
 
 def test_dataset_rows_are_the_training_seeds_in_order():

@@ -49,6 +49,7 @@ SHARED_BY_ALL = {
     "old_logprobs",
     "ppo_update",
     "filter_stats",
+    "pass_stats",
     "FORMAT_RE",
     "format_reward",
     "ALGOS",

@@ -148,7 +148,7 @@ def make_run(
     return run_dir
 
 
-COLLAPSE_CHARTS = ["Mutual information", "MI z-score", "Retrieval accuracy", "Reasoning entropy"]
+COLLAPSE_CHARTS = ["Mutual information", "MI z-score", "Retrieval accuracy", "Reasoning entropy", "Valid thinking"]
 GROUP_VALUES = [0.0, 0.48, 0.1, 0.5, 0.3, 0.52, 0.0, 0.2]  # 8 groups' reward std
 
 
@@ -270,7 +270,7 @@ def test_a_gradient_spike_alone_marks_only_the_gradient_norm(tmp_path):
 
 def test_template_collapse_marks_the_collapse_charts_and_entropy(tmp_path):
     run = with_collapse(make_run(tmp_path / "run", warn={"template_collapse": (5,)}))
-    assert marked(build(run), "template-collapse") == ["Entropy", *COLLAPSE_CHARTS, "collapse/valid_thinking_rate"]
+    assert marked(build(run), "template-collapse") == ["Entropy", *COLLAPSE_CHARTS]
 
 
 def test_flat_zero_clip_fractions_say_why(tmp_path):
@@ -336,7 +336,8 @@ def test_filter_view_tolerates_odd_rows(tmp_path):
 def test_collapse_charts_beside_entropy_and_the_latest_matrix_as_a_heatmap(tmp_path):
     page = build(with_collapse(make_run(tmp_path / "run")))
     titles = captions(page)
-    assert titles[titles.index("Entropy") + 1 :][:5] == [*COLLAPSE_CHARTS, "collapse/valid_thinking_rate"]
+    assert titles[titles.index("Entropy") + 1 :][:5] == COLLAPSE_CHARTS
+    assert not any(t.startswith("collapse/") for t in titles)  # the other collapse/* numbers get no chart each
     fig = figure(page, "Retrieval accuracy")
     assert fig.count("<polyline") == 2 and ">chance</text>" in fig  # the chance level, a second line
     assert ">H(R | prompt)</text>" in figure(page, "Reasoning entropy")
