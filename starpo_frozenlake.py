@@ -5,7 +5,8 @@ Each episode is a 4x4 frozen lake drawn from its seed. Every turn the agent sees
 and the reward and the new lake come back in the next user message. At most 5 turns and 10 moves per episode;
 reaching the goal pays +1, a hole ends the episode. A move goes where it was meant only 1/3 of the time (slippery
 ice), so even the optimal agent fails often: every evaluation also logs the exact success of a uniformly random
-mover and of the closed-loop optimum on the same maps (val/random_success, val/optimal_success).
+mover and of the closed-loop optimum on the same maps (val/random_success, val/optimal_success: 0.224 and 0.506
+on the 256 evaluation lakes).
 
 StarPO (RAGEN, arXiv 2504.20073) treats the whole episode as one trajectory: a single growing token sequence
 (prompt, reply, feedback, reply, ...) in which only the model's own sampled tokens are trained, with PPO (critic +

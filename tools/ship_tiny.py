@@ -7,6 +7,7 @@ reused. The bandit's model (1.5 minutes) is built on first use.
 
     python tools/ship_tiny.py                # fresh builds in a temporary cache (about an hour on two cores)
     python tools/ship_tiny.py --from-cache   # copy the builds $STARPO_CACHE already holds for today's keys
+    python tools/ship_tiny.py --task sokoban # one task's model (Sokoban's: about 30 minutes)
 
 Run it after changing a multi-turn script's warm-up, its TINY_BUILD or plumbing.tiny.TINY_VERSION: tests/test_tiny_shipped.py
 fails until you do. It replaces the task's older shipped builds and rewrites tiny/SHA256SUMS.
@@ -51,12 +52,13 @@ def checksums(root: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from-cache", action="store_true", help="copy existing builds from $STARPO_CACHE")
+    ap.add_argument("--task", choices=TASKS, action="append", help="build only this task's model (repeatable)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if not args.from_cache:
             os.environ["STARPO_CACHE"] = str(Path(tmp) / "cache")
         plumbing.tiny.SHIPPED_TINY = Path(tmp) / "none"  # never answer with what is shipped already
-        for task in TASKS:
+        for task in args.task or TASKS:
             examples, recipe = default_build(task, str(Path(tmp) / "run"))
             built = plumbing.tiny.tiny_cache_root() / plumbing.tiny.tiny_model_name(task, examples, **recipe)
             if args.from_cache and not (built / "build_info.json").exists():
