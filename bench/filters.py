@@ -5,9 +5,9 @@
     python bench/filters.py bandit --seeds 0 -- --steps 4 --val-size 8   # extra flags for every run, after --
 
 Each run is the task's default command (the tiny preset, warm model cache: training time only) with the filter's
-flags added: `top_k` = --algo starpo-s (the paper's StarPO-S, the default), `top_p` = --algo starpo-s2 (RAGEN-2's
-recommended filter: top-p 0.9 of the reward-std mass, zero-std groups dropped, empty batches skipped), `none` =
---algo starpo-s --filter none (the same algorithm training on every group). Writes bench/results/filters_<task>.json:
+flags added: `top_k` = the command as it is (StarPO-S's top-k: 25% of the groups, 50% under the multi-turn tiny
+preset), `top_p` = --algo starpo-s2 (RAGEN-2's recommended filter: top-p 0.9 of the reward-std mass, zero-std groups
+dropped, empty batches skipped), `none` = --filter none (the same algorithm training on every group). Writes bench/results/filters_<task>.json:
 per run, val/success by step and by wall time, the kept ratio, skipped (empty) steps, the collapse (MI) curves and
 the cost of the diagnostics; per filter, the mean over seeds. Every figure comes from these runs.
 """
@@ -22,11 +22,7 @@ from pathlib import Path
 
 import harness
 
-FILTERS = {
-    "top_k": ["--algo", "starpo-s"],
-    "top_p": ["--algo", "starpo-s2"],
-    "none": ["--algo", "starpo-s", "--filter", "none"],
-}
+FILTERS = {"top_k": [], "top_p": ["--algo", "starpo-s2"], "none": ["--filter", "none"]}
 CURVES = (
     "collapse/mi_estimate",
     "collapse/mi_zscore",

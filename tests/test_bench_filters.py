@@ -1,0 +1,36 @@
+"""bench/filters.py: the filter comparison's commands and what it reads off each run."""
+
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import filters  # noqa: E402
+
+
+def test_top_k_is_the_default_command_and_the_others_change_only_the_filter():
+    assert filters.FILTERS["top_k"] == []  # StarPO-S as the task's default command runs it (the preset's keep ratio)
+    assert filters.FILTERS["top_p"] == ["--algo", "starpo-s2"]
+    assert filters.FILTERS["none"] == ["--filter", "none"]
+
+
+def test_summarise_run_reads_success_kept_ratio_skips_and_the_diagnostics_cost():
+    rows = [{"step": 0, "val/success": 0.25, "time_s": 3.0}]
+    for step in (1, 2, 3, 4):
+        r = {"step": step, "timing_s/step": 10.0, "rollout/filter_kept_ratio": 0.5, "rollout/empty_after_filter": 0}
+        if step in (1, 3):
+            r.update({"timing_s/collapse": 2.0, "collapse/mi_estimate": 0.1 * step})
+        rows.append(r)
+    rows[2]["rollout/empty_after_filter"] = 1
+    rows[2]["rollout/filter_kept_ratio"] = 0.0
+    rows[-1].update({"val/success": 0.75, "time_s": 43.0, "warn/echo_trap": 1})
+    got = filters.summarise_run(rows, wall=50.0)
+    assert got["val_success"] == {"0": 0.25, "4": 0.75} and got["val_success_at_s"] == {"0": 3.0, "4": 43.0}
+    assert (got["final_val_success"], got["best_val_success"], got["steps_run"]) == (0.75, 0.75, 4)
+    assert got["kept_ratio_mean"] == pytest.approx(0.375) and got["skipped_steps"] == 1
+    assert got["collapse_s_per_step_mean"] == pytest.approx(1.0)  # 4 s over 4 steps
+    assert got["collapse_share_of_step"] == pytest.approx(0.1)  # 4 s of 40 s
+    assert got["curves"]["collapse/mi_estimate"] == {"1": 0.1, "3": pytest.approx(0.3)}
+    assert got["warnings"] == {"4": ["warn/echo_trap"]}
