@@ -15,9 +15,10 @@ negative advantages.
         --val-low-arm-name Librarian --val-high-arm-name Trader  # generalisation: train on one pair, test another
     python starpo_bandit.py --backend vllm                      # vLLM generation on a CPU (requirements-vllm-cpu.txt)
 
-How it departs from RAGEN: the payout draw is a pure function of the reset seed and a group shares its seed, so a
-group shares its luck (if Dragon pays in that group, it pays every member who chose it); the tiny model is built
-and format-warmed on first use with uniformly random answers, so the task itself is learned by RL. The file reads top
+As RAGEN does since 2025-11, a group shares its prompt and each member draws its own payout, a pure function of
+(group seed, member): `--payout-draw group` gives the group one shared draw instead. `--arm-pairs ragen` trains on
+RAGEN-2's 12 arm-name pairs and evaluates on 8 held out. How it departs from RAGEN: the tiny model is built and
+format-warmed on first use with uniformly random answers, so the task itself is learned by RL. The file reads top
 to bottom; the other scripts' `# Copied from starpo_bandit.X` blocks are copies of this file's, kept identical by
 tools/check_copies.py; the machinery (generation engine, run management) is plumbing/.
 """

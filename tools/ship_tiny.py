@@ -1,8 +1,8 @@
 """Build the multi-turn tiny models and ship them in tiny/, where plumbing.tiny.build_tiny_model finds them when your own
 cache ($STARPO_CACHE) has no build for today's recipe: a first FrozenLake or Sokoban run then starts at once
 instead of after a build. Both have a 1,500-step reading stage, then 600 warm-up steps: FrozenLake's about 37
-minutes on two idle cores (its reading stage 768 s, then 1,459 s of warm-up on ten-turn episodes), Sokoban's 30
-(723 s, then 1,086 s); build_info.json's build_seconds counts the warm-up alone when a cached reading stage is
+minutes on two idle cores (its reading stage 768 s, then 1,459 s of warm-up on ten-turn episodes), Sokoban's 33
+(888 s, then 1,088 s); build_info.json's build_seconds counts the warm-up alone when a cached reading stage is
 reused. The bandit's model (1.5 minutes) is built on first use.
 
     python tools/ship_tiny.py                # fresh builds in a temporary cache (about an hour on two cores)
