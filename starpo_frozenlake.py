@@ -1374,7 +1374,7 @@ def main(argv=None):
     write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__} [{source[fn.__name__]}]" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
-    config["rubric"] = {fn.__name__: w for fn, w in rubric}  # the report titles each rubric chart with its weight
+    config["component_weights"] = {fn.__name__: w for fn, w in rubric}  # the report titles each rubric chart
     run = Run(args, TASK, resume_from, policy, tok, state, config)
 
     def generate(prompts, temperature, turn_cache=None):

@@ -379,7 +379,7 @@ COLLAPSE_CHARTS = [
 
 def charts(metrics: list[dict], config: dict) -> list[str]:
     """The fixed set of curves (every one present, maybe empty), the collapse/* charts beside the entropy when the
-    run logs them, then one chart per rubric component titled with its weight (config.json's "rubric")."""
+    run logs them, then one chart per rubric component titled with its weight (config.json's "component_weights")."""
     chart, echo, tc = chart_maker(metrics), ("echo_trap",), ("template_collapse",)
     clip_values = [v for _, v in series(metrics, "actor/pg_clipfrac") if v is not None]
     logged = {k for r in metrics for k in r}
@@ -416,7 +416,7 @@ def charts(metrics: list[dict], config: dict) -> list[str]:
             note=CLIP_NOTE if clip_values and not any(clip_values) else "",
         ),
     ]
-    weights = config.get("rubric") if isinstance(config.get("rubric"), dict) else {}
+    weights = config.get("component_weights") if isinstance(config.get("component_weights"), dict) else {}
     for k in sorted(k for k in logged if k.startswith("rubric/")):
         w = number(weights.get(k.removeprefix("rubric/")))
         out.append(chart(k + ("" if w is None else f"  (weight {fmt(w)})"), [(k, "train")], "mean (unweighted)"))

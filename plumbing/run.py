@@ -195,7 +195,9 @@ class Run:
 
     def __init__(self, args, task: str, resume_from: Path | None, policy, tok, state: dict, config: dict):
         """state: what a checkpoint holds besides the policy, by name: optimizers, the critic (None: nothing),
-        torch.Generators (saved with the RNG states). config: extra entries for config.json."""
+        torch.Generators (saved with the RNG states). config: extra entries for config.json (device, backend and
+        precision as resolved replace the flags' "auto"; any other entry must not share a flag's name, or --resume
+        would read it back as that flag)."""
         self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
         self.generators = [v for v in state.values() if isinstance(v, torch.Generator)]
         self.state = {k: v for k, v in state.items() if v is not None and not isinstance(v, torch.Generator)}

@@ -367,7 +367,7 @@ def test_a_run_without_groups_or_collapse_has_no_such_sections(tmp_path):
 def test_rubric_charts_carry_their_weight(tmp_path):
     run = make_run(tmp_path / "run", rubric=("format_reward", "progress", "hole_penalty"))
     cfg = json.loads((run / "config.json").read_text())
-    (run / "config.json").write_text(json.dumps({**cfg, "rubric": {"format_reward": 1.0, "progress": 0.5}}))
+    (run / "config.json").write_text(json.dumps({**cfg, "component_weights": {"format_reward": 1.0, "progress": 0.5}}))
     titles = [t for t in captions(build(run)) if t.startswith("rubric/")]
     assert titles == ["rubric/format_reward  (weight 1)", "rubric/hole_penalty", "rubric/progress  (weight 0.5)"]
 
