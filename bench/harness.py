@@ -108,6 +108,7 @@ def summarise(
     gen_s = sum(r["timing_s/gen"] for r in train)
     replies = sum(r["response_length/mean"] * batch * r.get("train/num_turns", 1) for r in train)
     reached = first(target_success)
+    step_s, collapse_s = (sum(r.get(f"timing_s/{k}", 0.0) for r in train) for k in ("step", "collapse"))
     return {
         "command": command,
         "config": {k: config[k] for k in CONFIG_KEYS if k in config},
@@ -126,6 +127,9 @@ def summarise(
             k: median(lambda r, k=k: r[f"timing_s/{k}"]) for k in ("gen", "env", "logprob", "update")
         },
         "gen_tokens_per_s": round(replies / gen_s, 1) if gen_s else None,
+        # the collapse diagnostics (every --mi-every steps): their seconds over all steps' seconds, and per step
+        "collapse_share_of_step": round(collapse_s / step_s, 4) if step_s else None,
+        "collapse_s_per_step_mean": round(collapse_s / len(train), 3) if train else None,
         "eval_curve": curve,
         "target": f">= {target_success:g} eval success within {target_wall_s:g} s wall time (cold cache, default run)",
         "target_met": bool(judged and reached is not None and reached <= target_wall_s),

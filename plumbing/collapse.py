@@ -28,11 +28,12 @@ def due(step: int, every: int) -> bool:
     return bool(every) and (step == 1 or step % every == 0)
 
 
-def think_ids(tok, reply_ids: list[int]) -> list[int]:
+def think_ids(tok, reply_ids: list[int], texts: dict | None = None) -> list[int]:
     """The exact sampled token ids strictly between <think> and </think> (RAGEN-2's reasoning Z); [] when the reply
     has no closed think or it is blank. A token that straddles a tag is left out. (RAGEN re-tokenises the think's
-    text; the sampled ids avoid its boundary effects.)"""
-    pieces = [tok.decode([i]) for i in reply_ids]
+    text; the sampled ids avoid its boundary effects.) texts: token id -> its text, shared by a batch's calls."""
+    texts = {} if texts is None else texts
+    pieces = [texts[i] if i in texts else texts.setdefault(i, tok.decode([i])) for i in reply_ids]  # each token's text
     text = "".join(pieces)
     lo = text.find("<think>") + len("<think>")
     hi = text.find("</think>", lo)
@@ -53,7 +54,8 @@ def first_turn_diagnostics(policy, tok, first_turns: list, thinks: list, run, st
     reasonings are drawn with the step's own random stream, so a resumed run draws the same ones. The z-score's
     running std continues from the run's history (run.history); the scoring temperature is the rollouts' (--temperature).
     """
-    zs = [think_ids(tok, reply) for _, _, reply in first_turns]  # the reasoning Z of each episode's first turn
+    texts = {}  # token id -> text, decoded once for the whole batch
+    zs = [think_ids(tok, reply, texts) for _, _, reply in first_turns]  # the reasoning Z of each episode's first turn
     out = {
         "collapse/valid_thinking_rate": statistics.mean(bool(z and z.strip()) for z in thinks) if thinks else 0.0,
         "collapse/first_turn_num_total": len(zs),

@@ -140,10 +140,11 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
     teacher-forced under logits / temperature, as the per-token mean and the sum over z_i's tokens: two (R, N)
     float64 tensors on the CPU, no gradient.
 
-    RAGEN runs N passes of R full [x_j | z_i] rows. Here each prompt runs once and its KV cache is copied to a chunk
-    of batch_size reasonings (right-padded, attention 0 on the padding), which run on top at their own positions:
-    N prompts + N * R reasonings' tokens instead of N * R * (prompt + reasoning). Only the real tokens go through the
-    output head, so batch_size bounds the memory: its (rows x tokens, V) logits. Empty reasonings or prompts are
+    RAGEN runs N passes of R full [x_j | z_i] rows. Here each prompt runs once and its KV cache is copied to chunks
+    of at most batch_size reasonings (right-padded, attention 0 on the padding), which run on top at their own
+    positions: N prompts + N * R reasonings' tokens instead of N * R * (prompt + reasoning). The chunks gather
+    reasonings of like length (micro_batch_plan), so little of it is padding: think lengths are ragged (5 to 40
+    tokens on the tiny bandit). Only the real tokens go through the output head, so batch_size bounds the memory. Empty reasonings or prompts are
     the caller's to leave out (an error here). Call it in eval mode (dropout off), as for the old log-probs.
     """
     from transformers import DynamicCache
@@ -159,6 +160,8 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
     real = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (R, L)
     mean = torch.zeros(len(thinks), len(prompts), dtype=torch.float64)  # (R, N)
     total = torch.zeros_like(mean)  # (R, N)
+    lens = lengths.tolist()
+    plan = micro_batch_plan([0] * len(lens), lens, [0] * len(lens), batch_size)  # chunks of like-length reasonings
     with torch.no_grad():
         for j, x in enumerate(prompts):
             P = len(x)
@@ -170,8 +173,8 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
                 use_cache=True,
             )
             last = out.last_hidden_state[:, -1:]  # (1, 1, H): the prompt's end predicts every z's first token
-            for s in range(0, len(thinks), batch_size):
-                z, keep = ids[s : s + batch_size], real[s : s + batch_size]  # (b, L) each
+            for idx in plan:
+                z, keep = ids[idx.to(device)], real[idx.to(device)]  # (b, L) each
                 b, L = int(z.shape[0]), int(keep.sum(1).max())
                 z, keep = z[:, :L], keep[:, :L]  # (b, L): cut at this chunk's longest
                 h = last.expand(b, 1, -1)  # (b, 1, H)
@@ -191,6 +194,6 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
                 picked = logits.gather(-1, z[keep][:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # (M,)
                 logp = torch.zeros(b, L, dtype=torch.float64, device=device)  # (b, L)
                 logp[keep] = picked.double()
-                total[s : s + b, j] = logp.sum(1).cpu()
-                mean[s : s + b, j] = (logp.sum(1) / keep.sum(1)).cpu()
+                total[idx, j] = logp.sum(1).cpu()
+                mean[idx, j] = (logp.sum(1) / keep.sum(1)).cpu()
     return mean, total

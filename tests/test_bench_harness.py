@@ -51,6 +51,14 @@ def test_one_schema_for_every_task():
     assert multi["median_s_per_step_excl_eval"] == 8.0 and multi["median_s_breakdown"]["gen"] == 4.0
     assert multi["gen_tokens_per_s"] == 20 * 8 * 3 / 4.0 and single["gen_tokens_per_s"] == 20 * 8 / 4.0
     assert not harness.summarise(fake_run(True), "x", 0.4, 1200, (0.4,), judged=False)["target_met"]  # a quick check
+    assert single["collapse_share_of_step"] == 0.0 and single["collapse_s_per_step_mean"] == 0.0  # none measured
+
+
+def test_the_collapse_diagnostics_cost_is_their_share_of_all_steps_seconds():
+    run = fake_run(False)
+    run["rows"][1]["timing_s/collapse"] = 0.9  # measured on step 1 only (steps: 8 s and 10 s)
+    got = harness.summarise(run, "python starpo_bandit.py", 0.95, 180, (0.9,), judged=True)
+    assert got["collapse_share_of_step"] == 0.05 and got["collapse_s_per_step_mean"] == 0.45
 
 
 def test_every_benchmark_uses_the_harness_command_line():
