@@ -5,7 +5,7 @@
 
 Writes bench/results/sokoban_cpu.json (the schema of bench/harness.py): the eval curve next to val/random_success
 (simulation) and val/optimal_success (BFS solver) on the same evaluation rooms, wall time to 0.30 and 0.40, seconds
-per step. Target on an idle 2-core CPU: >= 0.40 eval success within 20 minutes (random about 0.2; RAGEN's
+per step. Target on an idle 2-core CPU: >= 0.40 eval success within 20 minutes (random 0.15 on RAGEN's rooms; RAGEN's
 Qwen2.5-0.5B with StarPO-S: 0.215; SPA's Qwen2.5-1.5B: 0.598). The command line is harness.py's (--warm-cache,
 --steps, --val-size, --out, -- flags).
 """
