@@ -281,6 +281,11 @@ def carve_room(rng: random.Random, size: int, num_steps: int, p_change_direction
     return {(r, c) for r, c in floor if 0 < r < size - 1 and 0 < c < size - 1}
 
 
+def displacement(boxes, targets) -> int:
+    """Total Manhattan distance of each box from the target it started on (boxes[i] from targets[i])."""
+    return sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+
+
 def reverse_play(floor: set, targets: list, player: tuple, search_depth: int, max_states: int = 300_000):
     """Pull the boxes away from their targets (RAGEN's reverse_playing); return (score, player, boxes).
 
@@ -298,9 +303,8 @@ def reverse_play(floor: set, targets: list, player: tuple, search_depth: int, ma
         if ttl <= 0 or len(seen) >= max_states or (player, frozenset(boxes)) in seen:
             return
         seen.add((player, frozenset(boxes)))
-        displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
         empty = player not in on_target and not on_target.intersection(boxes)  # every target free
-        score = switches * displacement if empty else 0
+        score = switches * displacement(boxes, targets) if empty else 0
         if score > best[0]:
             best[:] = [score, player, boxes]
         for dr, dc in DIRECTIONS:  # RAGEN's order: pull up, down, left, right
@@ -370,8 +374,8 @@ class SokobanEnv:
                 break
         else:
             raise RuntimeError(f"no room with a displaced box after {self.max_tries} tries (seed {seed})")
-        displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
-        player = walk_player(rng, floor, boxes, player, 0.8 if displacement == 1 else 0.5)[-1]  # RAGEN's odds
+        moved = displacement(boxes, targets)
+        player = walk_player(rng, floor, boxes, player, 0.8 if moved == 1 else 0.5)[-1]  # RAGEN's odds
         self.floor, self.targets, self.boxes, self.player = floor, frozenset(targets), frozenset(boxes), player
         self.shape = (self.size, self.size)
         return self.observation()

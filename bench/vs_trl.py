@@ -77,8 +77,8 @@ def completion_text(completion) -> str:
 def bandit_reward(completions, seed, **kwargs) -> list[float]:
     """TRL reward function: starpo_bandit's rubric total for each completion, on the episode its seed defines.
 
-    Same path as starpo_bandit.rollout: reset the env with the row's seed and member index, parse <think>/<answer>, step the env
-    with the answer ("" when missing), score the Turn with RUBRIC.
+    Same path as starpo_bandit.rollout: reset the env with the row's seed and member index, parse <think>/<answer>,
+    step the env with the answer ("" when missing), score the Turn with RUBRIC.
     """
     out, seen = [], {}
     for completion, s in zip(completions, seed, strict=True):

@@ -33,7 +33,9 @@ def think_ids(tok, reply_ids: list[int], texts: dict | None = None) -> list[int]
     has no closed think or it is blank. A token that straddles a tag is left out. (RAGEN re-tokenises the think's
     text; the sampled ids avoid its boundary effects.) texts: token id -> its text, shared by a batch's calls."""
     texts = {} if texts is None else texts
-    pieces = [texts[i] if i in texts else texts.setdefault(i, tok.decode([i])) for i in reply_ids]  # each token's text
+    for i in set(reply_ids) - texts.keys():
+        texts[i] = tok.decode([i])
+    pieces = [texts[i] for i in reply_ids]  # each token's text
     text = "".join(pieces)
     lo = text.find("<think>") + len("<think>")
     hi = text.find("</think>", lo)

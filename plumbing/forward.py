@@ -144,8 +144,8 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
     of at most batch_size reasonings (right-padded, attention 0 on the padding), which run on top at their own
     positions: N prompts + N * R reasonings' tokens instead of N * R * (prompt + reasoning). The chunks gather
     reasonings of like length (micro_batch_plan), so little of it is padding: think lengths are ragged (5 to 40
-    tokens on the tiny bandit). Only the real tokens go through the output head, so batch_size bounds the memory. Empty reasonings or prompts are
-    the caller's to leave out (an error here). Call it in eval mode (dropout off), as for the old log-probs.
+    tokens on the tiny bandit). Only the real tokens go through the output head, so batch_size bounds the memory.
+    Empty reasonings or prompts are the caller's to leave out (an error here). Call it in eval mode (dropout off), as for the old log-probs.
     """
     from transformers import DynamicCache
 
@@ -161,7 +161,7 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
     mean = torch.zeros(len(thinks), len(prompts), dtype=torch.float64)  # (R, N)
     total = torch.zeros_like(mean)  # (R, N)
     lens = lengths.tolist()
-    plan = micro_batch_plan([0] * len(lens), lens, [0] * len(lens), batch_size)  # chunks of like-length reasonings
+    plan = [idx.to(device) for idx in micro_batch_plan([0] * len(lens), lens, [0] * len(lens), batch_size)]
     with torch.no_grad():
         for j, x in enumerate(prompts):
             P = len(x)
@@ -174,7 +174,7 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
             )
             last = out.last_hidden_state[:, -1:]  # (1, 1, H): the prompt's end predicts every z's first token
             for idx in plan:
-                z, keep = ids[idx.to(device)], real[idx.to(device)]  # (b, L) each
+                z, keep = ids[idx], real[idx]  # (b, L) each: a chunk of like-length reasonings
                 b, L = int(z.shape[0]), int(keep.sum(1).max())
                 z, keep = z[:, :L], keep[:, :L]  # (b, L): cut at this chunk's longest
                 h = last.expand(b, 1, -1)  # (b, 1, H)
@@ -194,6 +194,6 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
                 picked = logits.gather(-1, z[keep][:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # (M,)
                 logp = torch.zeros(b, L, dtype=torch.float64, device=device)  # (b, L)
                 logp[keep] = picked.double()
-                total[idx, j] = logp.sum(1).cpu()
-                mean[idx, j] = (logp.sum(1) / keep.sum(1)).cpu()
+                total[idx.cpu(), j] = logp.sum(1).cpu()
+                mean[idx.cpu(), j] = (logp.sum(1) / keep.sum(1)).cpu()
     return mean, total
