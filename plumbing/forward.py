@@ -1,10 +1,9 @@
 """The update's forward pass, made cheap for multi-turn rows: each group's first prompt runs once, and micro-batches
 gather rows of like length (docs/CPU.md). Same numbers as the plain pass over full rows (tests/test_sokoban.py).
-Also the collapse diagnostics' cross-scoring pass, each prompt run once for every reasoning (test_ragen2_maths.py)."""
+Also the collapse diagnostics' cross-scoring pass: each prompt once, every reasoning packed after it (test_ragen2_maths.py)."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -134,66 +133,73 @@ def reply_outputs(model, mb: dict, field: str, **kw) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], temperature: float = 1.0, batch_size=64):
+def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], temperature: float = 1.0, max_tokens=1024):
     """RAGEN-2's cross-scoring matrices for the collapse diagnostics (collapse_metrics.py L455-558): log p(z_i | x_j)
     of every reasoning z_i (its sampled token ids) after every prompt x_j (token ids up to where z's tokens start),
     teacher-forced under logits / temperature, as the per-token mean and the sum over z_i's tokens: two (R, N)
     float64 tensors on the CPU, no gradient.
 
-    RAGEN runs N passes of R full [x_j | z_i] rows. Here each prompt runs once and its KV cache is copied to chunks
-    of at most batch_size reasonings (right-padded, attention 0 on the padding), which run on top at their own
-    positions: N prompts + N * R reasonings' tokens instead of N * R * (prompt + reasoning). The chunks gather
-    reasonings of like length (micro_batch_plan), so little of it is padding: think lengths are ragged (5 to 40
-    tokens on the tiny bandit). Only the real tokens go through the output head, so batch_size bounds the memory.
+    RAGEN runs N passes of R full [x_j | z_i] rows. Here prompt j's row holds x_j once and then the reasonings one
+    after another, each at its own positions (len(x_j) + t) and seeing only x_j and its own earlier tokens (a block
+    mask): the same numbers as separate rows, for N * (prompt + all reasonings) tokens in one pass of N rows, with
+    no copy of a prompt's keys and values. Reasonings go in passes of at most max_tokens tokens a row, which bounds
+    the mask (N x row^2) and the wasted attention between reasonings; the output head sees only the scored tokens,
+    1024 at a time, so the logits stay small under a 150k vocabulary.
     Empty reasonings or prompts are the caller's to leave out (an error here). Call it in eval mode (dropout off), as for the old log-probs.
     """
-    from transformers import DynamicCache
-
     if not prompts or not thinks or min(map(len, prompts)) == 0 or min(map(len, thinks)) == 0:
         raise ValueError("cross_logprobs needs non-empty prompts and reasonings (leave the empty ones out)")
     body, head = model.base_model, model.get_output_embeddings()
     device = next(model.parameters()).device
-    lengths = torch.tensor([len(z) for z in thinks], device=device)  # (R,)
-    ids = torch.zeros(len(thinks), int(lengths.max()), dtype=torch.long, device=device)  # (R, L): right-padded
-    for i, z in enumerate(thinks):
-        ids[i, : len(z)] = torch.tensor(z, device=device)
-    real = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (R, L)
-    mean = torch.zeros(len(thinks), len(prompts), dtype=torch.float64)  # (R, N)
+    N, P = len(prompts), max(map(len, prompts))
+    x_len = torch.tensor([len(x) for x in prompts], device=device)[:, None]  # (N, 1)
+    mean = torch.zeros(len(thinks), N, dtype=torch.float64)  # (R, N)
     total = torch.zeros_like(mean)  # (R, N)
-    lens = lengths.tolist()
-    plan = [idx.to(device) for idx in micro_batch_plan([0] * len(lens), lens, [0] * len(lens), batch_size)]
+    chunks, fed = [[]], 0  # consecutive reasonings whose fed tokens (all but the last) fit max_tokens
+    for i, z in enumerate(thinks):
+        if chunks[-1] and fed + len(z) - 1 > max_tokens:
+            chunks, fed = chunks + [[]], 0
+        chunks[-1].append(i)
+        fed += len(z) - 1
     with torch.no_grad():
-        for j, x in enumerate(prompts):
-            P = len(x)
-            cache = DynamicCache()
-            out = body(
-                input_ids=torch.tensor([x], device=device),
-                position_ids=torch.arange(P, device=device)[None],
-                past_key_values=cache,
-                use_cache=True,
+        for chunk in chunks:
+            zs = [thinks[i] for i in chunk]
+            fed = [t for z in zs for t in z[:-1]]  # the reasonings' tokens a row feeds: all but each one's last
+            seg = torch.tensor([-1] * P + [k for k, z in enumerate(zs) for _ in z[:-1]], device=device)  # (T,)
+            offset = [t for z in zs for t in range(len(z) - 1)]  # each fed token's place in its reasoning
+            ids = torch.zeros(N, len(seg), dtype=torch.long, device=device)  # (N, T): [x_j | padding | fed]
+            for j, x in enumerate(prompts):
+                ids[j, : len(x)] = torch.tensor(x, device=device)
+            ids[:, P:] = torch.tensor(fed, dtype=torch.long, device=device)
+            t = torch.arange(len(seg), device=device)  # (T,)
+            pos = torch.cat(
+                [t[:P].expand(N, -1), x_len + torch.tensor(offset, dtype=torch.long, device=device)], dim=1
+            )  # (N, T)
+            q, k = t[:, None], t[None, :]  # (T, 1), (1, T)
+            prompt_k = k[None] < x_len[:, :, None]  # (N, 1, T): the real prompt tokens of row j
+            sees = torch.where(  # (N, T, T): a reasoning's token sees the prompt and its own reasoning so far,
+                (q >= P)[None],  # a prompt token sees the prompt so far, a padding token itself only
+                prompt_k | ((seg[:, None] == seg[None, :]) & (k <= q))[None],
+                torch.where(q[None] < x_len[:, :, None], k <= q, k == q),
+            )[:, None]  # (N, 1, T, T)
+            if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+                sees = torch.zeros(sees.shape, device=device).masked_fill(~sees, torch.finfo(torch.float32).min)
+            h = body(input_ids=ids, attention_mask=sees, position_ids=pos).last_hidden_state  # (N, T, H)
+            # a reasoning's first token is predicted at its prompt's end, each later one at the column before it
+            ends = torch.cumsum(torch.tensor([len(z) - 1 for z in zs]), 0).tolist()  # each fed run's end, past P
+            cols = [P + c for z, e in zip(zs, ends) for c in range(e - len(z) + 1, e)]  # (M - r,)
+            where = torch.cat(
+                [(x_len - 1).expand(N, len(zs)), torch.tensor(cols, dtype=torch.long, device=device).expand(N, -1)], 1
             )
-            last = out.last_hidden_state[:, -1:]  # (1, 1, H): the prompt's end predicts every z's first token
-            for idx in plan:
-                z, keep = ids[idx], real[idx]  # (b, L) each: a chunk of like-length reasonings
-                b, L = int(z.shape[0]), int(keep.sum(1).max())
-                z, keep = z[:, :L], keep[:, :L]  # (b, L): cut at this chunk's longest
-                h = last.expand(b, 1, -1)  # (b, 1, H)
-                if L > 1:  # tokens 0..L-2 predict tokens 1..L-1, on top of a copy of the prompt's cache
-                    rows = copy.deepcopy(cache)  # a fresh copy per chunk: the pass appends its tokens to its cache
-                    rows.batch_select_indices(torch.zeros(b, dtype=torch.long, device=device))  # (1, ...) -> (b, ...)
-                    prompt_attn = torch.ones(b, P, dtype=torch.long, device=device)  # (b, P)
-                    out = body(
-                        input_ids=z[:, :-1],
-                        attention_mask=torch.cat([prompt_attn, keep[:, :-1].long()], dim=1),  # (b, P + L - 1)
-                        position_ids=P + torch.arange(L - 1, device=device)[None].expand(b, -1),  # (b, L - 1)
-                        past_key_values=rows,
-                        use_cache=True,
-                    )
-                    h = torch.cat([h, out.last_hidden_state], dim=1)  # (b, L, H)
-                logits = head(h[keep]).float() / temperature  # (M, V): M real tokens of the chunk
-                picked = logits.gather(-1, z[keep][:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # (M,)
-                logp = torch.zeros(b, L, dtype=torch.float64, device=device)  # (b, L)
-                logp[keep] = picked.double()
-                total[idx.cpu(), j] = logp.sum(1).cpu()
-                mean[idx.cpu(), j] = (logp.sum(1) / keep.sum(1)).cpu()
+            target = torch.tensor([z[0] for z in zs] + [t for z in zs for t in z[1:]], device=device)  # (M,)
+            owner = torch.tensor(list(range(len(zs))) + [k for k, z in enumerate(zs) for _ in z[1:]], device=device)
+            hs = h.gather(1, where[:, :, None].expand(-1, -1, h.shape[-1])).flatten(0, 1)  # (N * M, H)
+            picks = target.repeat(N)[:, None]  # (N * M, 1)
+            logp = torch.cat([  # (N * M,): the tokens' log-probs, 1024 tokens through the head at a time
+                head(hs[a : a + 1024]).float().div(temperature).log_softmax(-1).gather(-1, picks[a : a + 1024])[:, 0]
+                for a in range(0, len(picks), 1024)
+            ]).double().view(N, -1)  # fmt: skip
+            sums = torch.zeros(N, len(zs), dtype=torch.float64, device=device).index_add_(1, owner, logp)  # (N, r)
+            lengths = torch.tensor([len(z) for z in zs], dtype=torch.float64, device=device)  # (r,)
+            total[chunk], mean[chunk] = sums.T.cpu(), (sums / lengths).T.cpu()
     return mean, total

@@ -502,8 +502,9 @@ def tiny_model(kind: str):
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128,
     )  # fmt: skip
-    if kind == "qwen2":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)).eval()
+    if kind.startswith("qwen2"):  # "qwen2-eager": the attention that adds a float mask to its scores
+        attention = "eager" if kind.endswith("eager") else "sdpa"
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes, attn_implementation=attention)).eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
 
 
@@ -521,33 +522,39 @@ def naive_cross(model, prompts, thinks, temperature):
     return mean, total
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
-@pytest.mark.parametrize("batch_size", [64, 2])
-def test_cross_logprobs_matches_full_passes(kind, batch_size):
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen2-eager"])
+@pytest.mark.parametrize("max_tokens", [1024, 6, 1])
+def test_cross_logprobs_matches_full_passes(kind, max_tokens):
     from plumbing.forward import cross_logprobs
 
     model = tiny_model(kind)
     rng = random.Random(1)
     prompts = [[rng.randrange(64) for _ in range(n)] for n in (5, 9, 1)]
     thinks = [[rng.randrange(64) for _ in range(n)] for n in (1, 4, 7, 2, 6)]  # R = 5 > batch_size = 2
-    mean, total = cross_logprobs(model, prompts, thinks, temperature=0.7, batch_size=batch_size)
+    mean, total = cross_logprobs(model, prompts, thinks, temperature=0.7, max_tokens=max_tokens)
     ref_mean, ref_total = naive_cross(model, prompts, thinks, 0.7)
     assert mean.shape == total.shape == (5, 3) and mean.dtype == torch.float64
     assert torch.allclose(mean, ref_mean, atol=1e-5, rtol=0) and torch.allclose(total, ref_total, atol=1e-5, rtol=0)
 
 
-def test_cross_logprobs_runs_each_prompt_once():
-    """The prefill is shared: one pass per prompt, then one per chunk of reasonings on a copy of its cache."""
+def test_cross_logprobs_packs_the_reasonings_after_each_prompt():
+    """No pass per (prompt, reasoning): one row per prompt, [x_j | z_0[:-1] | z_1[:-1] ...] (each reasoning's last
+    token is only predicted), in as few passes as max_tokens (reasoning tokens a row) allows."""
     from plumbing.forward import cross_logprobs
 
     model, shapes = tiny_model("qwen2"), []
     model.base_model.register_forward_hook(
-        lambda mod, args, kwargs, out: shapes.append(kwargs["input_ids"].shape), with_kwargs=True
+        lambda mod, args, kwargs, out: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
-    cross_logprobs(model, [[1, 2, 3], [4, 5]], [[6, 7], [8], [9, 10, 11]], batch_size=2)
-    assert [tuple(s) for s in shapes] == [(1, 3), (2, 1), (1, 2), (1, 2), (2, 1), (1, 2)]  # prompt, chunk, chunk, ...
-    cross_logprobs(model, [[1, 2, 3]], [[6]], batch_size=2)  # one-token reasonings need the prompt pass only
-    assert tuple(shapes[-1]) == (1, 3)
+    prompts, thinks = [[1, 2, 3], [4, 5]], [[6, 7], [8], [9, 10, 11]]
+    cross_logprobs(model, prompts, thinks)
+    assert shapes == [(2, 3 + 1 + 0 + 2)]  # the prompts padded to 3, then 1, 0 and 2 fed tokens
+    shapes.clear()
+    cross_logprobs(model, prompts, thinks, max_tokens=2)  # [6, 7] and [8] fit two tokens; [9, 10, 11] goes alone
+    assert shapes == [(2, 3 + 1), (2, 3 + 2)]
+    shapes.clear()
+    cross_logprobs(model, [[1, 2, 3]], [[6]])  # one-token reasonings need the prompt only
+    assert shapes == [(1, 3)]
 
 
 def test_cross_logprobs_rejects_empty_reasonings():
