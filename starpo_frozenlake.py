@@ -29,6 +29,7 @@ identical to their source by tools/check_copies.py; the machinery (generation en
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -137,6 +138,10 @@ class Args:
     """training rows (trajectories, or turns with --max-context-turns) per optimizer step"""
     micro_batch_size: int = 32
     """training rows per forward/backward (gradient accumulation; lower it if memory runs out)"""
+    lora_rank: int = 0
+    """LoRA: train rank-r adapters on every linear layer of the decoder instead of all weights (the critic gets its own); 0 = full fine-tuning"""
+    lora_alpha: float = 64.0
+    """LoRA: the adapters' scale is alpha / rank (RAGEN's alpha: 64)"""
     warmup_steps: int = 0
     """world-model warm-up before RL (SPA): supervised steps on self-play transcripts (uniformly random moves) whose think states the state and what each move would do; 0 = off (the tiny model has it built in)"""
     # ---- generation ----
@@ -739,7 +744,7 @@ def vllm_push_weights(llm, model, awake: bool = True) -> None:
     if not awake:
         llm.wake_up()
     dtype = llm.llm_engine.model_config.dtype
-    weights = [(name, t.detach().to(dtype)) for name, t in model.state_dict().items()]
+    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(model).items()]  # LoRA: merged
     try:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     except (AttributeError, TypeError, NotImplementedError) as e:
@@ -1053,15 +1058,84 @@ def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: l
 ########################################################################################################################
 
 
+# ---- LoRA (--lora-rank r): the model frozen, a trainable low-rank update W + (alpha / r) B A on each linear layer ----
+
+
+# Copied from starpo_bandit.LoRALinear
+class LoRALinear(nn.Linear):
+    """A frozen nn.Linear plus a trainable low-rank update (Hu et al. 2021): y = x W^T + b + (alpha / r) x A^T B^T.
+    B starts at zero, so the adapted model starts as the base. The base layer's own tensors keep their names (weight,
+    bias), so the state_dict keeps transformers' names; lora_A and lora_B are new."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.weight, self.bias = (
+            base.in_features,
+            base.out_features,
+            base.weight,
+            base.bias,
+        )
+        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        self.lora_A = nn.Parameter(nn.init.kaiming_uniform_(torch.empty(rank, self.in_features, **kw), a=math.sqrt(5)))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **kw))  # (out, r); lora_A: (r, in), peft's init
+        self.scale, self.enabled = alpha / rank, True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight, self.bias)
+        if not self.enabled:  # adapters_off: the base model
+            return y
+        return y + self.scale * nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B)
+
+    def merged_weight(self) -> torch.Tensor:  # W + (alpha / r) B A in float32, out of place: W itself never changes
+        return (self.weight.float() + self.scale * self.lora_B.float() @ self.lora_A.float()).to(self.weight.dtype)
+
+
+# Copied from starpo_bandit.add_lora
+def add_lora(model: nn.Module, rank: int, alpha: float) -> nn.Module:
+    """Freeze the model and adapt every nn.Linear but the output head (peft's "all-linear"), in place."""
+    if rank < 1:
+        raise ValueError(f"a LoRA rank is >= 1, got {rank}")
+    model.requires_grad_(False)
+    head = model.get_output_embeddings()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child is not head:
+                setattr(module, name, LoRALinear(child, rank, alpha))
+    return model
+
+
+# Copied from starpo_bandit.adapters_off
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The model without its adapters: the base model, StarPO's KL reference under LoRA (no second copy in memory)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
+# Copied from starpo_bandit.merged_state_dict
+def merged_state_dict(model: nn.Module) -> dict:
+    """The model's weights under transformers' names, every adapter folded in: what vLLM gets at each push."""
+    merged = {f"{name}.weight": m.merged_weight() for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    return {k: merged.get(k, v) for k, v in model.state_dict().items() if ".lora_" not in k}
+
+
 # Copied from starpo_sokoban.Critic
 class Critic(nn.Module):
     """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
 
-    def __init__(self, path: str, dtype):
+    def __init__(self, path: str, dtype, lora_rank: int = 0, lora_alpha: float = 64.0):
         super().__init__()
         from transformers import AutoModel
 
         self.body = AutoModel.from_pretrained(path, dtype=dtype)
+        if lora_rank:  # --lora-rank: the body gets its own adapters, the value head (below) trains whole
+            add_lora(self.body, lora_rank, lora_alpha)
         self.head = nn.Linear(self.body.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)  # start at V = 0: advantages begin as plain returns
         nn.init.zeros_(self.head.bias)
@@ -1122,7 +1196,8 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
             if recompute:
                 old_logp[idx, :c] = policy_forward(policy, mb, args.temperature)[0]
             if ref is not None:
-                ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
+                with adapters_off(ref):  # under LoRA the reference is the policy without its adapters
+                    ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
             if critic is not None:
                 old_values[idx, :c] = critic(mb).float()
     tis, metrics = None, {}
@@ -1350,8 +1425,8 @@ def main(argv=None):
         f"estimator: {args.estimator}  preset: {args.preset} ({preset})  precision: {precision}  threads: {threads}"
     )
     cpu.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
-    # On resume the policy comes from the checkpoint; the reference model (KL) always from the original weights.
-    policy_path = str(resume_from / "policy") if resume_from else model_path
+    # On resume the policy comes from the checkpoint (LoRA: its adapters, loaded by Run); the KL reference never does.
+    policy_path = str(resume_from / "policy") if resume_from and not args.lora_rank else model_path
     tok = AutoTokenizer.from_pretrained(model_path)
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
@@ -1359,9 +1434,12 @@ def main(argv=None):
     kw = dict(dtype=dtype, attn_implementation=engine.attention_implementation(device))  # CPU: GQA without copies
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
     policy = load(policy_path)
-    ref = load(model_path).eval() if args.kl_coef > 0 else None
-    critic = Critic(model_path, dtype).to(device) if args.estimator in ("gae", "bi-level-gae") else None
-    adamw = lambda net, lr: torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=args.weight_decay) if net else None
+    if args.lora_rank:  # only the adapters train; the KL reference is the policy with its adapters off
+        add_lora(policy, args.lora_rank, args.lora_alpha)
+    ref = (policy if args.lora_rank else load(model_path).eval()) if args.kl_coef > 0 else None
+    critic = Critic(model_path, dtype, args.lora_rank, args.lora_alpha).to(device) if "gae" in args.estimator else None
+    trainable = lambda net: [p for p in net.parameters() if p.requires_grad]  # LoRA: the adapters (+ value head)
+    adamw = lambda net, lr: torch.optim.AdamW(trainable(net), lr=lr, weight_decay=args.weight_decay) if net else None
     opt, critic_opt = adamw(policy, args.lr), adamw(critic, args.critic_lr)  # AdamW's betas: (0.9, 0.999)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
     # bf16 on a CPU: replies come from a bf16 copy of the policy, as from a bf16 vLLM engine (autocast's casts in
@@ -1375,7 +1453,9 @@ def main(argv=None):
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
     config["component_weights"] = {fn.__name__: w for fn, w in rubric}  # the report titles each rubric chart
-    run = Run(args, TASK, resume_from, policy, tok, state, config)
+    run = Run(args, TASK, resume_from, policy, tok, state, config)  # a resumed run's adapters load here
+    if llm is not None and args.lora_rank and resume_from:
+        vllm_push_weights(llm, policy)  # the engine started from the base model
 
     def generate(prompts, temperature, turn_cache=None):
         sampler.eval()

@@ -253,6 +253,8 @@ def common_checks(args) -> list[tuple[str, bool, str]]:
         ("--filter-eps", args.filter_eps >= 0, f"must be >= 0, got {args.filter_eps}"),
         ("--empty-stop-steps", args.empty_stop_steps >= 0, "must be >= 0"),
         ("--mi-every", args.mi_every >= 0, "must be >= 0"),
+        ("--lora-rank", args.lora_rank >= 0, f"must be >= 0 (0 = full fine-tuning), got {args.lora_rank}"),
+        ("--lora-alpha", args.lora_alpha > 0, f"must be > 0, got {args.lora_alpha}"),
         ("--val-samples", args.val_samples >= 1, "must be >= 1"),
         ("--dual-clip", args.dual_clip == 0 or args.dual_clip > 1, f"must be > 1 (or 0 = off), got {args.dual_clip}"),
         ("--clip-low", 0 <= args.clip_low < 1, f"must be in [0, 1), got {args.clip_low}"),

@@ -1,7 +1,8 @@
 """Run management: the run directory, metrics files, checkpoints and resume, Ctrl-C / SIGTERM, timers, the progress
 bar and the collapse warnings: everything in a script's main() that is not the algorithm.
 
-checkpoints/step-000040/ holds policy/ (a save_pretrained model + tokenizer, loadable on its own), state.pt (critic,
+checkpoints/step-000040/ holds policy/ (a save_pretrained model + tokenizer, loadable on its own; under LoRA the
+adapters alone, policy/adapters.pt, which tools/merge_lora.py folds into a model of their own), state.pt (critic,
 optimizers, RNG states, step, history) and COMPLETE, written last. It is built under a temporary name and renamed
 into place, so a crash mid-save never leaves a half checkpoint that looks whole.
 """
@@ -27,6 +28,7 @@ from plumbing.flags import fail
 from plumbing.report import build_report, read_jsonl
 
 
+ADAPTERS = "adapters.pt"  # a LoRA checkpoint's policy/: its adapters' tensors under the model's parameter names
 LOGS = ("metrics.jsonl", "rollouts.jsonl", "groups.jsonl", "collapse.jsonl")  # a run's jsonl files, one line per step
 # the metrics collapse_warnings reads, kept per step in Run.history (and in checkpoints, so a resume keeps them)
 HISTORY_KEYS = (
@@ -90,7 +92,8 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     root = Path(out_dir) / "checkpoints"
     for ckpt in sorted(root.glob("step-*"), reverse=True) if root.exists() else []:
         try:
-            if not (ckpt / "COMPLETE").exists() or not (ckpt / "policy" / "config.json").exists():
+            policy = ckpt / "policy"
+            if not (ckpt / "COMPLETE").exists() or not any((policy / f).exists() for f in ("config.json", ADAPTERS)):
                 raise ValueError("incomplete")
             _load_state(ckpt / "state.pt")
             return ckpt
@@ -126,7 +129,12 @@ def save_checkpoint(out_dir: Path, step: int, policy, tok, state: dict, keep: in
     root = Path(out_dir) / "checkpoints"
     final, tmp = root / f"step-{step:06d}", root / f".step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp / "policy")
+    adapters = {k: v for k, v in policy.state_dict().items() if ".lora_" in k}
+    if adapters:  # LoRA: the frozen base is the run's model_path (config.json); the adapters are all that moved
+        (tmp / "policy").mkdir(parents=True)
+        torch.save(adapters, tmp / "policy" / ADAPTERS)
+    else:
+        policy.save_pretrained(tmp / "policy")
     tok.save_pretrained(tmp / "policy")
     torch.save(state, tmp / "state.pt")
     (tmp / "COMPLETE").write_text(f"{step}\n")
@@ -135,6 +143,15 @@ def save_checkpoint(out_dir: Path, step: int, policy, tok, state: dict, keep: in
     for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def load_adapters(model, path: Path, flag: str = "--resume") -> None:
+    """Load a LoRA checkpoint's adapters into a model that has adapters of the same shapes (add_lora)."""
+    adapters = _load_state(path)
+    own = {k: v.shape for k, v in model.state_dict().items() if ".lora_" in k}
+    if own != {k: v.shape for k, v in adapters.items()}:
+        fail(flag, f"{path} holds other adapters than this model's (the run's --lora-rank is in its config.json)")
+    model.load_state_dict(adapters, strict=False)
 
 
 def load_checkpoint_state(ckpt: Path) -> dict:
@@ -199,6 +216,7 @@ class Run:
         precision as resolved replace the flags' "auto"; any other entry must not share a flag's name, or --resume
         would read it back as that flag)."""
         self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
+        write_line(parameter_line(policy, state.get("critic")))
         self.generators = [v for v in state.values() if isinstance(v, torch.Generator)]
         self.state = {k: v for k, v in state.items() if v is not None and not isinstance(v, torch.Generator)}
         self.out_dir = Path(args.output_dir)
@@ -209,6 +227,8 @@ class Run:
             (self.out_dir / "config.json").write_text(json.dumps(dict(dataclasses.asdict(args), **config), indent=1))
         else:
             saved = load_checkpoint_state(resume_from)
+            if (resume_from / "policy" / ADAPTERS).exists():  # LoRA: the base model loaded, its adapters load here
+                load_adapters(policy, resume_from / "policy" / ADAPTERS)
             for name, obj in self.state.items():
                 obj.load_state_dict(saved[name])
             set_rng_state(saved["rng"], *self.generators)
@@ -378,6 +398,18 @@ def tqdm_bar(iterable, **kw):
     from tqdm import tqdm
 
     return tqdm(iterable, dynamic_ncols=True, **kw)
+
+
+def parameter_line(policy, critic) -> str:
+    """The start-up line that says what trains: the policy's (and critic's) trained and total parameters."""
+    count = lambda net: (
+        sum(p.numel() for p in net.parameters() if p.requires_grad),
+        sum(map(torch.numel, net.parameters())),
+    )
+    line = "parameters: policy {:,} trained of {:,}".format(*count(policy))
+    line += ", critic {:,} of {:,}".format(*count(critic)) if critic is not None else ""
+    lora = any(".lora_" in name for name, _ in policy.named_parameters())
+    return line + (" (LoRA adapters)" if lora else " (full fine-tuning)")
 
 
 def write_line(text: str) -> None:

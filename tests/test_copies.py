@@ -53,6 +53,10 @@ SHARED_BY_ALL = {
     "FORMAT_RE",
     "format_reward",
     "ALGOS",
+    "LoRALinear",
+    "add_lora",
+    "adapters_off",
+    "merged_state_dict",
 }
 
 

@@ -153,6 +153,28 @@ def test_a_float32_engine_matches_closely_and_takes_the_push():
     assert mean < TOL["float32"][0] and worst < TOL["float32"][1], (mean, worst)
 
 
+def test_a_lora_push_gives_the_engine_the_adapted_model(engine):
+    """--lora-rank: each push folds the adapters in (W + s B A in float32, out of place): the engine then scores as
+    the adapted trainer does, and no longer as the base; the trainer's frozen weights stay the base's."""
+    import copy
+
+    llm, tok, model = engine
+    adapted = sb.add_lora(copy.deepcopy(model), rank=4, alpha=64).eval()
+    g = torch.Generator().manual_seed(0)
+    for m in adapted.modules():
+        if isinstance(m, sb.LoRALinear):
+            m.lora_B.data = torch.randn(m.lora_B.shape, generator=g) * 0.05
+    ps = prompts(tok, 4)
+    sb.vllm_push_weights(llm, adapted)
+    mean, worst = gap(llm, tok, adapted, ps, 1.0)
+    assert mean < TOL["bfloat16"][0] and worst < TOL["bfloat16"][1], (mean, worst)
+    assert gap(llm, tok, model, ps, 1.0)[0] > 3 * mean  # the engine took the adapters
+    base = model.state_dict()
+    assert all(torch.equal(v, base[k]) for k, v in adapted.state_dict().items() if ".lora_" not in k)
+    sb.vllm_push_weights(llm, model)  # put the module's engine back as it was
+    assert gap(llm, tok, model, ps, 1.0)[0] < TOL["bfloat16"][0]
+
+
 # ---- every script end to end with --backend vllm -------------------------------------------------------------------
 
 
@@ -224,3 +246,19 @@ def test_the_bandit_learns_with_vllm_generation_and_resumes(tmp_path):
     evals = [(row["step"], row["val/success"]) for row in rows if "val/success" in row]
     assert [s for s, _ in evals] == [0, 6, 12] and evals[-1][1] >= 0.9, evals
     assert all(row["rollout/logprob_diff_mean"] < TOL["bfloat16"][0] for row in rows[1:])
+
+
+def test_a_lora_run_with_vllm_resumes_and_its_engine_takes_the_adapters(tmp_path):
+    """A LoRA checkpoint holds the adapters alone: the resumed engine starts from the base model and gets the
+    merged weights before its first rollout, so the sampler's and the trainer's log-probs still agree."""
+    flags = [*SMALL, "--lora-rank", "4", "--lr", "1e-3"]
+    r = run_script_file("starpo_bandit.py", *flags, "--steps", "2", "--output-dir", str(tmp_path), timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(LoRA adapters)" in r.stdout
+    r = run_script_file("starpo_bandit.py", "--resume", "--steps", "3", "--output-dir", str(tmp_path), timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert all(
+        row["rollout/logprob_diff_mean"] < TOL["bfloat16"][0] for row in rows[1:] if "rollout/logprob_diff_mean" in row
+    )
