@@ -1048,7 +1048,7 @@ def print_sample(step: int, t: Trajectory) -> None:
 def main(argv=None):
     args = flags.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
-    threads, precision = cpu.setup(device, args.precision)  # malloc, threads, precision: before any model work
+    threads, precision = cpu.setup(device, args.precision, resume_from)  # malloc, threads, precision: first
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     pairs = {(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)}
     pairs = sorted(pairs | set(RAGEN_TRAIN_PAIRS + RAGEN_TEST_PAIRS if args.arm_pairs == "ragen" else []))

@@ -11,3 +11,11 @@ It never imports a script: a script hands in what it owns (its Args, presets, wa
     tiny.py     the embedded tiny models' build, and the world-model warm-up
     report.py   report.html (`python -m plumbing.report RUN_DIR` rebuilds it)
 """
+
+import os
+
+# Same numbers whatever the threads: by default MKL splits a matrix product's long inner dimension among threads, so
+# the weight gradients' last bits depend on the thread count (the forward pass does not). MKL's strict mode fixes the
+# order on any thread count, on the fastest code path for the CPU (AUTO; measured no slower here). MKL reads it once,
+# at its first call: the scripts import plumbing before torch. Your own MKL_CBWR wins. (docs/CPU.md, "Threads")
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,16 +32,28 @@ def busy_cores_elsewhere(seconds: float = 0.5) -> float | None:
     return max(0.0, ((busy1 - busy0) / hz - (own1 - own0)) / wall)
 
 
-def thread_policy(environ=os.environ, busy_elsewhere=busy_cores_elsewhere) -> str:
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def reproducible_across_threads(environ=os.environ) -> bool:
+    """Whether the numbers do not depend on the thread count: torch's BLAS is MKL, in its strict mode (MKL_CBWR, set
+    by plumbing/__init__.py). Tested: 3 steps of each script on 1 and on 2 threads give the same metrics."""
+    return torch.backends.mkl.is_available() and "STRICT" in environ.get("MKL_CBWR", "").upper()
+
+
+def thread_policy(environ=os.environ, busy_elsewhere=busy_cores_elsewhere, started_with: int | None = None) -> str:
     """Choose torch's CPU threads at start and say what was chosen (the start-up line prints it).
 
     torch's default, one thread per core with OpenMP's spin-waiting, is fastest on an idle machine but collapses
     beside other jobs: threads that spin while waiting for a descheduled sibling make a step 3-4x slower than one
     thread (bench/results/threads_cpu.json). So: measure for half a second how many cores other processes keep
     busy, and use the cores this process may run on minus those (at least one). OMP_NUM_THREADS or
-    STARPO_THREADS=N (a number, or 'off' to leave torch alone) override it. The choice is made once, at start.
+    STARPO_THREADS=N (a number, or 'off' to leave torch alone) override it. A resumed run starts on the count its
+    run started with (started_with, from config.json); where the numbers do not depend on the count
+    (reproducible_across_threads), the count then follows the load between steps (LoadFollower).
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     forced = environ.get("STARPO_THREADS", "")
     if forced == "off" or (not forced and environ.get("OMP_NUM_THREADS")):
         return f"{torch.get_num_threads()} (as set by the environment)"
@@ -51,11 +64,52 @@ def thread_policy(environ=os.environ, busy_elsewhere=busy_cores_elsewhere) -> st
             fail("STARPO_THREADS", f"must be a number of threads or 'off', got {forced!r}")
         torch.set_num_threads(n)
         return f"{n} (STARPO_THREADS)"
+    if started_with:
+        n = max(1, min(cores, int(started_with)))
+        torch.set_num_threads(n)
+        return f"{n} of {cores} cores (as the run started)"
     busy = busy_elsewhere() if cores > 1 else None
     n = cores if busy is None else max(1, min(cores, round(cores - busy)))
     torch.set_num_threads(n)
     seen = "" if busy is None else f", other processes busy on {busy:.1f}"
     return f"{n} of {cores} cores{seen}"
+
+
+class LoadFollower:
+    """Re-choose the thread count at each step's end from what other processes used during the step: the machine's
+    busy time (/proc/stat) minus this process's, as thread_policy measures it at start, but over the whole step and
+    without a pause. A new count needs two step ends in a row that ask for it. Made by setup() only where the count
+    was chosen automatically and the numbers do not depend on it (reproducible_across_threads)."""
+
+    def __init__(self, cores: int):
+        self.cores, self.wanted, self.busy, self.last = cores, None, 0.0, self.sample()
+
+    @staticmethod
+    def sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        busy = (sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+        return busy, time.process_time(), time.time()
+
+    def step_end(self) -> bool:
+        """Set the thread count for the next step; True if it changed."""
+        now, before = self.sample(), self.last
+        self.last = now
+        if now is None or before is None or now[2] - before[2] <= 0:
+            return False
+        self.busy = max(0.0, ((now[0] - before[0]) - (now[1] - before[1])) / (now[2] - before[2]))
+        want = max(1, min(self.cores, round(self.cores - self.busy)))
+        changed = want != torch.get_num_threads() and want == self.wanted
+        if changed:
+            torch.set_num_threads(want)
+        self.wanted = want
+        return changed
+
+
+follower: LoadFollower | None = None  # setup() makes it; Run calls follower.step_end() after every step
 
 
 def keep_freed_memory(environ=os.environ, libc=None) -> bool:
@@ -115,15 +169,24 @@ def resolve_precision(precision: str, device: str) -> str:
     return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def setup(device: str, precision: str) -> tuple[str, str]:
+def setup(device: str, precision: str, resume_from=None) -> tuple[str, str]:
     """What a script does first, before any model work: on a CPU, glibc keeps freed memory (keep_freed_memory) and
-    torch's threads are chosen (thread_policy); --precision auto is resolved; transformers' progress bars go quiet
-    (the run's own bar is the one that counts). Returns (threads, precision) for the start-up line."""
+    torch's threads are chosen (thread_policy: a resumed run's from its config.json); --precision auto is resolved;
+    transformers' progress bars go quiet (the run's own bar is the one that counts). Returns (threads, precision)
+    for the start-up line."""
+    import json
+
     import transformers
 
+    global follower
+    threads, follower = "torch's default", None
     if device == "cpu":
         keep_freed_memory()  # glibc reuses freed memory: no fresh pages to fault in every step
-    threads = thread_policy() if device == "cpu" else "torch's default"
+        config = Path(resume_from).parent.parent / "config.json" if resume_from else None
+        started_with = json.loads(config.read_text()).get("threads") if config and config.exists() else None
+        threads = thread_policy(started_with=started_with)
+        if " cores" in threads and reproducible_across_threads():  # chosen here (not fixed by you), numbers unchanged
+            follower = LoadFollower(usable_cores())
     precision = resolve_precision(precision, device)
     transformers.utils.logging.disable_progress_bar()
     return threads, precision

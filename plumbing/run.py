@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plumbing import cpu
 from plumbing.flags import fail
 from plumbing.report import build_report, read_jsonl
 
@@ -224,6 +225,7 @@ class Run:
         self.start_step, self.history, self.warned, self.skipped_in_a_row, self.time_before = 1, [], set(), 0, 0.0
         self.empty_in_a_row, self.stopped_at = 0, None  # steps in a row whose filter kept no group; an early stop
         if resume_from is None:
+            config = dict(config, threads=torch.get_num_threads())  # a resumed run starts on the same count
             (self.out_dir / "config.json").write_text(json.dumps(dict(dataclasses.asdict(args), **config), indent=1))
         else:
             saved = load_checkpoint_state(resume_from)
@@ -333,6 +335,10 @@ class Run:
             write_line(f"warning: {kind.replace('_', ' ')}: {msg} (step {step})")
             record[f"warn/{kind}"] = 1  # the report marks this step on the charts this kind concerns
         record["timing_s/step"] = time.time() - self.t_step
+        if cpu.follower is not None and cpu.follower.step_end():  # the load changed: so do the threads
+            write_line(
+                f"[step {step}] threads: {torch.get_num_threads()} (other processes busy on {cpu.follower.busy:.1f})"
+            )
         record["time_s"], record["timestamp"] = self.time_s(), time.time()
         self.metrics.write(record)
         if "val/success" in record:
