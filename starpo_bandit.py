@@ -132,6 +132,8 @@ class Args:
     """LoRA: train rank-r adapters on every linear layer of the decoder instead of all weights (the critic gets its own); 0 = full fine-tuning"""
     lora_alpha: float = 64.0
     """LoRA: the adapters' scale is alpha / rank (RAGEN's alpha: 64)"""
+    gradient_checkpointing: bool = False
+    """keep only each layer's input for the backward pass and recompute the rest: less activation memory, more update time (bench/memory_plan.py)"""
     # ---- generation ----
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """generation engine; auto = vllm on CUDA when it is installed, else hf (transformers' generate)"""
@@ -749,13 +751,15 @@ def merged_state_dict(model: nn.Module) -> dict:
 class Critic(nn.Module):
     """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
 
-    def __init__(self, path: str, dtype, lora_rank: int = 0, lora_alpha: float = 64.0):
+    def __init__(self, path: str, dtype, args: Args):
         super().__init__()
         from transformers import AutoModel
 
         self.body = AutoModel.from_pretrained(path, dtype=dtype)
-        if lora_rank:  # --lora-rank: the body gets its own adapters, the value head (below) trains whole
-            add_lora(self.body, lora_rank, lora_alpha)
+        if args.lora_rank:  # --lora-rank: the body gets its own adapters, the value head (below) trains whole
+            add_lora(self.body, args.lora_rank, args.lora_alpha)
+        if args.gradient_checkpointing:
+            self.body.gradient_checkpointing_enable({"use_reentrant": False})
         self.head = nn.Linear(self.body.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)  # start at V = 0: advantages begin as plain returns
         nn.init.zeros_(self.head.bias)
@@ -1070,8 +1074,10 @@ def main(argv=None):
     policy = load(policy_path)
     if args.lora_rank:  # only the adapters train; the KL reference is the policy with its adapters off
         add_lora(policy, args.lora_rank, args.lora_alpha)
+    if args.gradient_checkpointing:  # each layer keeps its input; the backward pass recomputes the rest
+        policy.gradient_checkpointing_enable({"use_reentrant": False})
     ref = (policy if args.lora_rank else load(model_path).eval()) if args.kl_coef > 0 else None
-    critic = Critic(model_path, dtype, args.lora_rank, args.lora_alpha).to(device) if args.estimator == "gae" else None
+    critic = Critic(model_path, dtype, args).to(device) if args.estimator == "gae" else None
     trainable = lambda net: [p for p in net.parameters() if p.requires_grad]  # LoRA: the adapters (+ value head)
     adamw = lambda net, lr: torch.optim.AdamW(trainable(net), lr=lr, weight_decay=args.weight_decay) if net else None
     opt, critic_opt = adamw(policy, args.lr), adamw(critic, args.critic_lr)  # AdamW's betas: (0.9, 0.999)

@@ -20,6 +20,10 @@ def hidden_states(body, mb: dict) -> torch.Tensor:
     """
     from transformers import DynamicCache
 
+    if body.is_gradient_checkpointing and body.training:  # transformers drops a cache under checkpointing: full rows
+        L = mb["input_ids"].shape[1]
+        attention = (torch.arange(L, device=mb["length"].device)[None] < mb["length"][:, None]).long()  # (b, L)
+        return body(input_ids=mb["input_ids"], attention_mask=attention).last_hidden_state  # (b, L, H)
     groups = mb["group"].tolist()
     distinct = list(dict.fromkeys(groups))
     lead = torch.tensor([groups.index(g) for g in distinct], device=mb["group"].device)  # (u,): a row per group
@@ -109,6 +113,15 @@ def reply_outputs(model, mb: dict, field: str, **kw) -> torch.Tensor:
     """
     from transformers import DynamicCache
 
+    if model.is_gradient_checkpointing and model.training:  # transformers drops a cache under checkpointing: full rows
+        row, r = mb["row"], mb["r1"]
+        out = model(
+            input_ids=torch.cat([mb["prompt_ids"][row], mb["reply_in"]], dim=1),  # (b, p + r - 1)
+            attention_mask=torch.cat([mb["prompt_attn"][row], torch.ones_like(mb["reply_in"])], dim=1),
+            position_ids=torch.cat([mb["prompt_pos"][row], mb["reply_pos"]], dim=1),
+            **({"logits_to_keep": r} if "logits_to_keep" in kw else kw),
+        )
+        return getattr(out, field)[:, -r:]  # (b, r, ...): the prompt's end, then reply tokens 0..r-2
     cache = DynamicCache()
     out = model(
         input_ids=mb["prompt_ids"],

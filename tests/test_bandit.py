@@ -236,10 +236,23 @@ def test_micro_view_trims_to_the_rows_it_holds(tiny):
     assert view["reply_ids"].tolist() == [[10, 11], [5, pad]] and view["reply_mask"].tolist() == [[1, 1], [1, 0]]
 
 
-def test_shared_prompt_forward_equals_one_pass_per_row(tiny):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompt_forward_equals_one_pass_per_row(tiny, checkpointing):
     """reply_outputs runs each distinct prompt once and the replies on its copied KV cache: log-probs, entropies,
-    critic values and the gradients they send back must equal an unpadded full-sequence pass per row."""
+    critic values and the gradients they send back must equal an unpadded full-sequence pass per row. Under
+    --gradient-checkpointing (transformers drops a KV cache there) it runs the full rows in one pass: the same."""
     model, tok = tiny
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.train()  # checkpointing acts in training mode only (dropout is 0 in these models)
+    try:
+        shared_prompt_forward_equals_one_pass_per_row(model, tok, checkpointing)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+
+
+def shared_prompt_forward_equals_one_pass_per_row(model, tok, checkpointing):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, model.config.vocab_size, (n,), generator=gen).tolist() for n in (30, 17)]
@@ -254,7 +267,9 @@ def test_shared_prompt_forward_equals_one_pass_per_row(tiny):
     batch = sb.collate(trajs, tok.pad_token_id, "cpu")
     mb = sb.micro_view(batch, torch.tensor([4, 0, 2, 5, 1, 3]))  # shuffled, two groups, ragged prompts and replies
     assert mb["prompt_ids"].shape[0] == 2
-    critic = sb.Critic(str(model.name_or_path), torch.float32)
+    critic = sb.Critic(str(model.name_or_path), torch.float32, sb.Args(gradient_checkpointing=checkpointing))
+    critic.train(checkpointing)
+    assert model.is_gradient_checkpointing == critic.body.is_gradient_checkpointing == checkpointing
     torch.nn.init.normal_(critic.head.weight, std=0.1)  # a non-zero head, so values (and their gradients) say something
     model.zero_grad(), critic.zero_grad()
     logp, ent = sb.policy_forward(model, mb, 0.7)

@@ -577,7 +577,7 @@ def test_update_logprobs_match_generation_and_observations_get_no_gradient(tiny,
     assert (logp[~mask] == 0).all() and (entropy[~mask] == 0).all()
 
     # Gradients: garbage advantages / old log-probs / returns on observation positions must change nothing.
-    critic = fl.Critic(str(model.name_or_path), torch.float32)
+    critic = fl.Critic(str(model.name_or_path), torch.float32, fl.Args())
     torch.manual_seed(1)
     adv = torch.randn(mask.shape) * mask
     old = batch["gen_logprobs"].clone()

@@ -465,11 +465,24 @@ def test_place_turn_values_covers_each_turns_sampled_tokens_exactly(tiny):
 # ---- log-prob consistency: generation vs the update pass ---------------------------------------------------------
 
 
-def test_hidden_states_runs_each_first_prompt_once_and_equals_a_full_pass(tiny):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_hidden_states_runs_each_first_prompt_once_and_equals_a_full_pass(tiny, checkpointing):
     """The update's forward pass runs a group's shared first prompt once, yet gives the states and the gradients of
     one pass over the full rows: two groups with first prompts of different lengths, rests of different lengths,
-    and a row with nothing after its prompt (an overflowed first prompt)."""
+    and a row with nothing after its prompt (an overflowed first prompt). Under --gradient-checkpointing
+    (transformers drops a KV cache there) it is that full pass, checkpointed: the same states and gradients."""
     model, _ = tiny
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.train()  # checkpointing acts in training mode only (dropout is 0 in these models)
+    try:
+        hidden_states_equals_a_full_pass(model, checkpointing)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+
+
+def hidden_states_equals_a_full_pass(model, checkpointing):
     g = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(5, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     a, b = draw(7), draw(11)
@@ -496,7 +509,8 @@ def test_hidden_states_runs_each_first_prompt_once_and_equals_a_full_pass(tiny):
     finally:
         hook.remove()
         model.zero_grad(set_to_none=True)
-    assert shapes[:2] == [(2, 11), (5, 9)]  # the two distinct prompts once, then every row's rest
+    width = mb["input_ids"].shape[1]
+    assert shapes[:2] == ([(5, width)] * 2 if checkpointing else [(2, 11), (5, 9)])  # else prompts once, then rests
     (h_shared, g_shared), (h_full, g_full) = results
     torch.testing.assert_close(h_shared, h_full, atol=1e-5, rtol=1e-4)
     assert len(g_shared) == len(g_full) > 10

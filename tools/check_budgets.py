@@ -3,7 +3,7 @@
 A learner reads one script top to bottom and common.py's maths; the machinery lives in plumbing/. Size is a design
 signal (../STYLE.md): when a script grows past its budget, ask what moved in that a learner never edits. Checked:
 
-  * each file's lines: starpo_bandit.py 1,180, starpo_frozenlake.py 1,550, starpo_sokoban.py 1,640, common.py 600;
+  * each file's lines: starpo_bandit.py 1,190, starpo_frozenlake.py 1,560, starpo_sokoban.py 1,650, common.py 600;
   * each script's main(): at most 130 lines, statements nested at most 4 blocks deep (for / if / with / while / try);
   * what main() can reach: the lines of every function and class main() uses, transitively, inside its own script
     and common.py (a name it calls, a class it builds, `common.X`), within the script's file budget;
@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Raised with RAGEN-2 (#36) from 1,000 / 1,400 / 1,500 / 400 and 110: the filter's rules and the collapse estimators
 # are maths (common.py), and a step gained two phases (the collapse diagnostics, the skipped empty batch).
 # Raised with LoRA (#37) from 1,100 / 1,500 / 1,600 and 125: the adapter (LoRALinear), adapters_off (the KL
-# reference) and the merge for vLLM are ~60 lines a learner should see, and main() wires them (4 lines).
-BUDGETS = {"starpo_bandit.py": 1180, "starpo_frozenlake.py": 1550, "starpo_sokoban.py": 1640, "common.py": 600}
+# reference) and the merge for vLLM are ~60 lines a learner should see; main() wires them and gradient
+# checkpointing (6 lines).
+BUDGETS = {"starpo_bandit.py": 1190, "starpo_frozenlake.py": 1560, "starpo_sokoban.py": 1650, "common.py": 600}
 MAIN_LINES, MAIN_NESTING = 130, 4
 README_BYTES = 25_000  # the genre's READMEs are 4-19 KB; the dated record lives in docs/RESULTS.md
 COMMON_IMPORTS = {"__future__", "math", "torch", "typing", "dataclasses"}
