@@ -7,7 +7,9 @@ It needs only torch and transformers (no vLLM, no download), so it runs on a bar
      model with Qwen2.5-0.5B-Instruct's architecture (24 layers, hidden 896, 14 heads, 2 KV heads) and the tiny
      tokenizer: its peak memory and s/step are what the paper-sized run costs (a random model never stops, so every
      reply runs to 400 tokens: an upper bound). Qwen's own vocabulary (151,936 tokens) would add ~136M embedding
-     parameters; the tiny tokenizer's does not, and the JSON says so.
+     parameters; the tiny tokenizer's does not, and the JSON says so;
+  3. the same for one step each with --lora-rank 64, with --gradient-checkpointing, and with the memory plan's 24 GB
+     line (bench/memory_plan.py): peak memory to set beside the plan's computed rows.
 
     python bench/gpu_smoke.py                        # on a GPU machine
     python bench/gpu_smoke.py --device cpu --quick   # the same plumbing on a CPU in a minute or two (a check)
@@ -115,6 +117,16 @@ def main():
             **run(ss, paper, a.device),
         }
         print("qwen-sized", result["qwen2.5_0.5b_architecture"], flush=True)
+        # The memory plan's levers at the same sizes, one step each (bench/memory_plan.py prices them): LoRA rank 64,
+        # gradient checkpointing, and the plan's 24 GB command for 0.5B with a critic (one row per micro-batch).
+        for key, flags in (
+            ("lora_r64", ["--lora-rank", "64"]),
+            ("gradient_checkpointing", ["--gradient-checkpointing"]),
+            ("plan_24gb", ["--micro-batch-size", "1", "--gradient-checkpointing"]),
+        ):
+            one = [*paper, "--steps", "1", *flags]
+            result[f"qwen2.5_0.5b_architecture_{key}"] = run(ss, one, a.device)
+            print(key, result[f"qwen2.5_0.5b_architecture_{key}"], flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"written to {a.out}")

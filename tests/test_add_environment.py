@@ -1,4 +1,4 @@
-"""The README's recipe "Add an environment", done by a test: copy starpo_frozenlake.py, replace its ENVIRONMENT
+"""The recipe in docs/ADD_ENVIRONMENT.md, done by a test: copy starpo_frozenlake.py, replace its ENVIRONMENT
 section (and the task's name and rules) with a toy corridor, and train it for one step. Nothing else is edited:
 rollout, the update, the report and the copies check must work for a task they have never seen."""
 
