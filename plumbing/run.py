@@ -218,6 +218,8 @@ class Run:
         would read it back as that flag)."""
         self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
         write_line(parameter_line(policy, state.get("critic")))
+        if config.get("backend") == "vllm":  # vLLM's CPU kernels run in this process on threads of their own choosing
+            cpu.follower = None
         self.generators = [v for v in state.values() if isinstance(v, torch.Generator)]
         self.state = {k: v for k, v in state.items() if v is not None and not isinstance(v, torch.Generator)}
         self.out_dir = Path(args.output_dir)
