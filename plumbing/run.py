@@ -217,7 +217,8 @@ class Run:
         precision as resolved replace the flags' "auto"; any other entry must not share a flag's name, or --resume
         would read it back as that flag)."""
         self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
-        write_line(parameter_line(policy, state.get("critic")))
+        if policy is not None:
+            write_line(parameter_line(policy, state.get("critic")))
         if config.get("backend") == "vllm":  # vLLM's CPU kernels run in this process on threads of their own choosing
             cpu.follower = None
         self.generators = [v for v in state.values() if isinstance(v, torch.Generator)]
