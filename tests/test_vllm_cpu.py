@@ -143,18 +143,9 @@ def test_a_push_really_changes_the_engine_and_a_stale_prefix_shows_without_the_r
     assert gap(llm, tok, model, ps, 1.0)[0] < TOL["bfloat16"][0]
 
 
-def test_a_float32_engine_matches_closely_and_takes_the_push():
-    """The CPU backend repacks float32 linear layers after loading: writing into parameters directly broke there."""
-    llm, tok, model = make_engine("float32")
-    mean, worst = gap(llm, tok, model, prompts(tok, 4), 1.0)
-    assert mean < TOL["float32"][0] and worst < TOL["float32"][1], (mean, worst)
-    sb.vllm_push_weights(llm, perturbed(model, seed=1))
-    mean, worst = gap(llm, tok, model, prompts(tok, 4), 1.0)
-    assert mean < TOL["float32"][0] and worst < TOL["float32"][1], (mean, worst)
-
-
 def test_a_lora_push_gives_the_engine_the_adapted_model(engine):
-    """--lora-rank: each push folds the adapters in (W + s B A in float32, out of place): the engine then scores as
+    """(Before the float32 engine's test: its teardown leaves this module's engine without its parallel groups.)
+    --lora-rank: each push folds the adapters in (W + s B A in float32, out of place): the engine then scores as
     the adapted trainer does, and no longer as the base; the trainer's frozen weights stay the base's."""
     import copy
 
@@ -173,6 +164,16 @@ def test_a_lora_push_gives_the_engine_the_adapted_model(engine):
     assert all(torch.equal(v, base[k]) for k, v in adapted.state_dict().items() if ".lora_" not in k)
     sb.vllm_push_weights(llm, model)  # put the module's engine back as it was
     assert gap(llm, tok, model, ps, 1.0)[0] < TOL["bfloat16"][0]
+
+
+def test_a_float32_engine_matches_closely_and_takes_the_push():
+    """The CPU backend repacks float32 linear layers after loading: writing into parameters directly broke there."""
+    llm, tok, model = make_engine("float32")
+    mean, worst = gap(llm, tok, model, prompts(tok, 4), 1.0)
+    assert mean < TOL["float32"][0] and worst < TOL["float32"][1], (mean, worst)
+    sb.vllm_push_weights(llm, perturbed(model, seed=1))
+    mean, worst = gap(llm, tok, model, prompts(tok, 4), 1.0)
+    assert mean < TOL["float32"][0] and worst < TOL["float32"][1], (mean, worst)
 
 
 # ---- every script end to end with --backend vllm -------------------------------------------------------------------
