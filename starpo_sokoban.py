@@ -1165,12 +1165,8 @@ class LoRALinear(nn.Linear):
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float):
         nn.Module.__init__(self)
-        self.in_features, self.out_features, self.weight, self.bias = (
-            base.in_features,
-            base.out_features,
-            base.weight,
-            base.bias,
-        )
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # the base layer's own tensors, not copies
         kw = dict(dtype=base.weight.dtype, device=base.weight.device)
         self.lora_A = nn.Parameter(nn.init.kaiming_uniform_(torch.empty(rank, self.in_features, **kw), a=math.sqrt(5)))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **kw))  # (out, r); lora_A: (r, in), peft's init

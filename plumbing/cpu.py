@@ -13,23 +13,30 @@ import torch
 from plumbing.flags import fail
 
 
-def busy_cores_elsewhere(seconds: float = 0.5) -> float | None:
-    """How many cores other processes kept busy over the next `seconds`: the machine's busy time (/proc/stat) minus
-    this process's own. None where /proc is missing (macOS, Windows)."""
-
-    def sample():
+def cpu_sample() -> tuple[float, float, float] | None:
+    """(seconds the machine's CPUs have been busy, from /proc/stat; this process's CPU seconds; wall time), or None
+    where /proc is missing (macOS, Windows). Two samples give how busy other processes were in between."""
+    try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
-        return sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0), time.process_time()
-
-    try:
-        (busy0, own0), t0 = sample(), time.time()
-        time.sleep(seconds)
-        (busy1, own1), wall = sample(), time.time() - t0
     except OSError:
         return None
-    hz = os.sysconf("SC_CLK_TCK")
-    return max(0.0, ((busy1 - busy0) / hz - (own1 - own0)) / wall)
+    busy = (sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+    return busy, time.process_time(), time.time()
+
+
+def busy_between(before: tuple, after: tuple) -> float:
+    """Cores other processes kept busy between two cpu_sample()s: the machine's busy time minus this process's."""
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2]))
+
+
+def busy_cores_elsewhere(seconds: float = 0.5) -> float | None:
+    """How many cores other processes kept busy over the next `seconds`. None where /proc is missing."""
+    before = cpu_sample()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    return busy_between(before, cpu_sample())
 
 
 def usable_cores() -> int:
@@ -40,6 +47,11 @@ def reproducible_across_threads(environ=os.environ) -> bool:
     """Whether the numbers do not depend on the thread count: torch's BLAS is MKL, in its strict mode (MKL_CBWR, set
     by plumbing/__init__.py). Tested: 3 steps of each script on 1 and on 2 threads give the same metrics."""
     return torch.backends.mkl.is_available() and "STRICT" in environ.get("MKL_CBWR", "").upper()
+
+
+def fixed_by_you(environ=os.environ) -> bool:
+    """Whether you set the threads (STARPO_THREADS, or OMP_NUM_THREADS): then no policy here changes them."""
+    return bool(environ.get("STARPO_THREADS") or environ.get("OMP_NUM_THREADS"))
 
 
 def thread_policy(environ=os.environ, busy_elsewhere=busy_cores_elsewhere, started_with: int | None = None) -> str:
@@ -55,7 +67,7 @@ def thread_policy(environ=os.environ, busy_elsewhere=busy_cores_elsewhere, start
     """
     cores = usable_cores()
     forced = environ.get("STARPO_THREADS", "")
-    if forced == "off" or (not forced and environ.get("OMP_NUM_THREADS")):
+    if forced == "off" or (fixed_by_you(environ) and not forced):
         return f"{torch.get_num_threads()} (as set by the environment)"
     if forced:
         try:
@@ -84,15 +96,7 @@ class LoadFollower:
     def __init__(self, cores: int):
         self.cores, self.wanted, self.busy, self.last = cores, None, 0.0, self.sample()
 
-    @staticmethod
-    def sample() -> tuple[float, float, float] | None:
-        try:
-            with open("/proc/stat") as f:
-                ticks = [int(x) for x in f.readline().split()[1:]]
-        except OSError:
-            return None
-        busy = (sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
-        return busy, time.process_time(), time.time()
+    sample = staticmethod(cpu_sample)
 
     def step_end(self) -> bool:
         """Set the thread count for the next step; True if it changed."""
@@ -100,7 +104,7 @@ class LoadFollower:
         self.last = now
         if now is None or before is None or now[2] - before[2] <= 0:
             return False
-        self.busy = max(0.0, ((now[0] - before[0]) - (now[1] - before[1])) / (now[2] - before[2]))
+        self.busy = busy_between(before, now)
         want = max(1, min(self.cores, round(self.cores - self.busy)))
         changed = want != torch.get_num_threads() and want == self.wanted
         if changed:
@@ -185,7 +189,7 @@ def setup(device: str, precision: str, resume_from=None) -> tuple[str, str]:
         config = Path(resume_from).parent.parent / "config.json" if resume_from else None
         started_with = json.loads(config.read_text()).get("threads") if config and config.exists() else None
         threads = thread_policy(started_with=started_with)
-        if " cores" in threads and reproducible_across_threads():  # chosen here (not fixed by you), numbers unchanged
+        if not fixed_by_you() and reproducible_across_threads():  # chosen here, and the numbers do not change
             follower = LoadFollower(usable_cores())
     precision = resolve_precision(precision, device)
     transformers.utils.logging.disable_progress_bar()

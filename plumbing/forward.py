@@ -177,13 +177,13 @@ def cross_logprobs(model, prompts: list[list[int]], thinks: list[list[int]], tem
     with torch.no_grad():
         for chunk in chunks:
             zs = [thinks[i] for i in chunk]
-            fed = [t for z in zs for t in z[:-1]]  # the reasonings' tokens a row feeds: all but each one's last
+            fed_ids = [t for z in zs for t in z[:-1]]  # the reasonings' tokens a row feeds: all but each one's last
             seg = torch.tensor([-1] * P + [k for k, z in enumerate(zs) for _ in z[:-1]], device=device)  # (T,)
             offset = [t for z in zs for t in range(len(z) - 1)]  # each fed token's place in its reasoning
             ids = torch.zeros(N, len(seg), dtype=torch.long, device=device)  # (N, T): [x_j | padding | fed]
             for j, x in enumerate(prompts):
                 ids[j, : len(x)] = torch.tensor(x, device=device)
-            ids[:, P:] = torch.tensor(fed, dtype=torch.long, device=device)
+            ids[:, P:] = torch.tensor(fed_ids, dtype=torch.long, device=device)
             t = torch.arange(len(seg), device=device)  # (T,)
             pos = torch.cat(
                 [t[:P].expand(N, -1), x_len + torch.tensor(offset, dtype=torch.long, device=device)], dim=1

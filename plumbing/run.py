@@ -130,7 +130,7 @@ def save_checkpoint(out_dir: Path, step: int, policy, tok, state: dict, keep: in
     root = Path(out_dir) / "checkpoints"
     final, tmp = root / f"step-{step:06d}", root / f".step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    adapters = {k: v for k, v in policy.state_dict().items() if ".lora_" in k}
+    adapters = adapter_state(policy)
     if adapters:  # LoRA: the frozen base is the run's model_path (config.json); the adapters are all that moved
         (tmp / "policy").mkdir(parents=True)
         torch.save(adapters, tmp / "policy" / ADAPTERS)
@@ -146,10 +146,15 @@ def save_checkpoint(out_dir: Path, step: int, policy, tok, state: dict, keep: in
     return final
 
 
+def adapter_state(model) -> dict:
+    """A model's LoRA adapters (the scripts' LoRALinear.lora_A / lora_B) by parameter name; {} without LoRA."""
+    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+
+
 def load_adapters(model, path: Path, flag: str = "--resume") -> None:
     """Load a LoRA checkpoint's adapters into a model that has adapters of the same shapes (add_lora)."""
     adapters = _load_state(path)
-    own = {k: v.shape for k, v in model.state_dict().items() if ".lora_" in k}
+    own = {k: v.shape for k, v in adapter_state(model).items()}
     if own != {k: v.shape for k, v in adapters.items()}:
         fail(flag, f"{path} holds other adapters than this model's (the run's --lora-rank is in its config.json)")
     model.load_state_dict(adapters, strict=False)
@@ -417,8 +422,7 @@ def parameter_line(policy, critic) -> str:
     )
     line = "parameters: policy {:,} trained of {:,}".format(*count(policy))
     line += ", critic {:,} of {:,}".format(*count(critic)) if critic is not None else ""
-    lora = any(".lora_" in name for name, _ in policy.named_parameters())
-    return line + (" (LoRA adapters)" if lora else " (full fine-tuning)")
+    return line + (" (LoRA adapters)" if adapter_state(policy) else " (full fine-tuning)")
 
 
 def write_line(text: str) -> None:
