@@ -158,6 +158,8 @@ class Args:
     """longest sequence (prompt + all turns) the model may see"""
     temperature: float = 1.0
     """sampling temperature for training rollouts"""
+    request_seeds: bool = False
+    """each episode samples from its own seed (its environment seed, member and turn), so its replies do not depend on which process plays it or on what shares its batch; on whenever torchrun starts several processes"""
     top_p: float = 1.0
     """nucleus sampling for training rollouts"""
     val_temperature: float = 0.5
@@ -242,7 +244,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
 from common import agg_loss, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, select_groups, value_loss  # noqa: E402
-from plumbing import collapse, cpu, engine, forward, tiny  # noqa: E402
+from plumbing import collapse, cpu, dist, engine, forward, tiny  # noqa: E402
 from plumbing.report import episode_stats, reply_stats, rollout_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
@@ -790,7 +792,8 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
         model=model_path,
         tokenizer=model_path,
         dtype=args.vllm_dtype,
-        seed=args.seed,
+        seed=args.seed + dist.rank(),  # torchrun: an engine per rank (TRL's colocate pattern), each its own seed
+        distributed_executor_backend="external_launcher" if dist.world() > 1 else None,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_model_len=args.max_model_len,
         enable_prefix_caching=True,  # a turn's context is the last turn's plus its reply: cached prefixes reused
@@ -817,11 +820,12 @@ def vllm_sampling_kwargs(temperature: float, top_p: float, max_tokens: int, stop
 
 
 # Copied from starpo_bandit.vllm_generate
-def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens):
+def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens, seeds=None):
     from vllm import SamplingParams
 
     stops = engine.stop_token_ids(tok)
-    params = SamplingParams(**vllm_sampling_kwargs(temperature, top_p, max_tokens, stops))
+    kw = vllm_sampling_kwargs(temperature, top_p, max_tokens, stops)
+    params = [SamplingParams(**kw, seed=s) for s in seeds] if seeds else SamplingParams(**kw)  # --request-seeds
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
     results = []
     for o in outs:
@@ -936,7 +940,10 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         if not active:
             break
         contexts = [context_ids(trajs[i], args.max_context_turns) for i in active]
-        replies = generate([c for c, _ in contexts], temperature, turn_cache)
+        asked = engine.request_seeds(seeds, turn_no) if args.request_seeds else None  # each episode's own noise
+        replies = generate(
+            [c for c, _ in contexts], temperature, turn_cache, seeds=asked and [asked[i] for i in active]
+        )
         still_active = []
         for i, (_, resume), (r_ids, r_logps) in zip(active, contexts, replies):
             t, env = trajs[i], envs[i]
@@ -1279,10 +1286,12 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
     policy.eval()
+    rows = batch["mine"].nonzero().squeeze(-1)  # (M,): this rank's rows (torchrun; all of them in one process)
     with autocast:
-        for idx in forward.micro_batch_plan(
-            batch["first_len"], batch["rest_len"], batch["group"], args.micro_batch_size
-        ):
+        plan = forward.micro_batch_plan(
+            *(batch[k][rows] for k in ("first_len", "rest_len", "group")), args.micro_batch_size
+        )
+        for idx in (rows[i] for i in plan):
             mb = micro_view(batch, idx)
             c = mb["cols"]
             if recompute:
@@ -1292,6 +1301,9 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
                     ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
             if critic is not None:
                 old_values[idx, :c] = critic(mb).float()
+    for t, computed in ((old_logp, recompute), (ref_logp, ref is not None), (old_values, critic is not None)):
+        if computed:
+            dist.share_rows(t, batch["mine"])  # torchrun: every rank gets every rank's rows
     tis, metrics = None, {}
     if recompute:
         gap = common.logprob_mismatch(old_logp, batch["gen_logprobs"], mask)
@@ -1322,10 +1334,11 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
             opt.zero_grad(set_to_none=True)
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=True)
-            mini_mask, finite = mask[mini], True
-            lengths = (batch[k][mini] for k in ("first_len", "rest_len", "group"))
+            mini_mask, finite = mask[mini], True  # the whole mini-batch's mask: each micro-batch's loss weight
+            mine = mini[batch["mine"][mini]]  # this rank's rows of it (torchrun; all of them in one process)
+            lengths = (batch[k][mine] for k in ("first_len", "rest_len", "group"))
             for idx in forward.micro_batch_plan(*lengths, args.micro_batch_size):  # rows of like length together
-                mb = micro_view(batch, mini[idx])
+                mb = micro_view(batch, mine[idx])
                 i, c = mb["idx"], mb["cols"]
                 m = mask[i, :c]  # (b, c)
                 w = common.micro_batch_weight(
@@ -1359,6 +1372,9 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                 pg_stats["entropy"] = ent.item()
                 for k, v in pg_stats.items():
                     stats.setdefault(k, []).append(v)
+            finite = dist.all_agree(finite)  # torchrun: every rank steps, or none does
+            if finite:
+                dist.sum_grads(policy, critic)  # torchrun: the whole mini-batch's gradient, on every rank
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
             if critic is not None:
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
@@ -1369,9 +1385,11 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
                     critic_opt.step()
             else:
                 skipped += 1
+    stats = dist.merge_lists(stats)  # torchrun: every rank's micro-batches
     out = {("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()}
     out["actor/skipped_updates"] = skipped
     if own is not None:  # as old_logprobs logs it when it runs the pass itself
+        dist.share_rows(own, batch["mine"])
         gap = common.logprob_mismatch(own, batch["gen_logprobs"], mask)
         out["rollout/logprob_diff_mean"], out["rollout/logprob_diff_max"] = gap["mean"], gap["max"]
     if critic is not None:
@@ -1486,8 +1504,8 @@ def filter_stats(scores: torch.Tensor, stat: torch.Tensor, kept: list[int]) -> d
 def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajectory]]:
     """--val-size fixed episodes (never trained on), each played --val-samples times; the first play of each is
     returned for the rollout log."""
-    seeds = [10**9 + i for i in range(args.val_size) for _ in range(args.val_samples)]
-    trajs = rollout(generate, tok, seeds, args, args.val_temperature, rubric)
+    seeds = [10**9 + i for i in dist.block(args.val_size) for _ in range(args.val_samples)]  # torchrun: a block each
+    trajs = dist.gather(rollout(generate, tok, seeds, args, args.val_temperature, rubric))
     passes = pass_stats([t.success for t in trajs], args.val_samples, "val")
     return {**episode_stats(trajs, "val"), **passes}, trajs[:: args.val_samples]
 
@@ -1506,6 +1524,7 @@ def main(argv=None):
     args = flags.parse_args(Args, argv, __doc__.split("\n")[0], PRESETS, ALGOS)
     args, device, model_name, backend, resume_from = resolve_args(args)
     threads, precision = cpu.setup(device, args.precision, resume_from)  # malloc, threads, precision: first
+    dist.init(device)  # torchrun: join the other processes (plumbing/dist.py); nothing in one process
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     model_path = model_name
     if model_name == "tiny":
@@ -1553,13 +1572,14 @@ def main(argv=None):
     if llm is not None and args.lora_rank and resume_from:
         vllm_push_weights(llm, policy)  # the engine started from the base model
 
-    def generate(prompts, temperature, turn_cache=None):
+    def generate(prompts, temperature, turn_cache=None, seeds=None):
         sampler.eval()
         with run.timer("gen"):
             if llm is not None:  # vLLM's prefix cache reuses the episode so far by itself
-                return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens)
+                return vllm_generate(llm, tok, prompts, temperature, args.top_p, args.max_tokens, seeds)
             with autocast:
-                return engine.hf_generate(sampler, tok, prompts, temperature, args.top_p, args.max_tokens, turn_cache)
+                cut = args.top_p, args.max_tokens
+                return engine.hf_generate(sampler, tok, prompts, temperature, *cut, turn_cache, seeds=seeds)
 
     scale = baselines(args)  # the same reference points for every evaluation, computed once
     write_line("evaluation set: " + "  ".join(f"{k} {v:.3f}" for k, v in scale.items()))
@@ -1569,9 +1589,10 @@ def main(argv=None):
     G, n = args.n_groups, args.group_size
     for step in run.steps(f"starpo-{TASK}"):
         # ---- rollout: n_groups fresh seeds, each shared by group_size episodes, all played together ---------------
-        group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in range(G)]  # new every step, never repeated
+        group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in dist.block(G)]  # torchrun: this rank's block
         with run.timer("rollout"):
             trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], args, args.temperature, rubric)
+            trajs = dist.gather(trajs)  # every rank holds all G x n episodes: the same filter and advantages
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
         record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
         record.update(pass_stats([t.success for t in trajs], n, "train"))
@@ -1593,6 +1614,7 @@ def main(argv=None):
             kept_trajs = [trajs[g * n + j] for g in kept for j in range(n)]  # K * n trajectories
             rows = training_rows(kept_trajs, args.max_context_turns)  # one per trajectory, or one per turn
             batch = collate(rows, tok.pad_token_id, device)
+            batch["mine"] = torch.tensor([kept[r.traj // n] in dist.block(G) for r in rows], device=device)  # (N,)
             truncated = torch.tensor([kept_trajs[r.traj].truncated for r in rows], device=device)  # (N,)
             trained = ~truncated if args.mask_truncated else torch.ones_like(truncated)  # (N,)
             mask = batch["loss_mask"] * trained[:, None]  # (N, T - 1)

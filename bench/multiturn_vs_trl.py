@@ -100,7 +100,7 @@ def model_generate(model, tok, a: fl.Args):
     stops = plumbing.engine.stop_token_ids(tok)
 
     @torch.no_grad()
-    def generate(prompts, temperature, turn_cache=None):
+    def generate(prompts, temperature, turn_cache=None, seeds=None):
         out = []
         for i in range(0, len(prompts), GEN_BATCH):
             chunk = prompts[i : i + GEN_BATCH]
@@ -207,7 +207,7 @@ def evaluate_model(model_dir: str, tok_dir: str, a: fl.Args) -> dict:
     attn = plumbing.engine.attention_implementation("cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
 
-    def generate(prompts, temperature, turn_cache=None):
+    def generate(prompts, temperature, turn_cache=None, seeds=None):
         return plumbing.engine.hf_generate(
             model, tok, prompts, temperature, a.top_p, a.max_tokens, turn_cache, GEN_BATCH
         )

@@ -334,7 +334,7 @@ def evaluate_model(model_dir: str, tok_dir: str, val_size: int, max_tokens: int,
         val_high_arm_name=ENV_KWARGS["high_name"],
     )
 
-    def generate(prompts, temperature):
+    def generate(prompts, temperature, seeds=None):
         return plumbing.engine.hf_generate(model, tok, prompts, temperature, 1.0, max_tokens)
 
     torch.manual_seed(seed)

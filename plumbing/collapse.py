@@ -18,14 +18,15 @@ import statistics
 import torch
 
 import common
-from plumbing import forward
+from plumbing import dist, forward
 
 MAX_PROMPTS, MAX_ROWS = 8, 64  # RAGEN-2's first-turn family: one prompt per group, at most 64 reasonings
 
 
 def due(step: int, every: int) -> bool:
-    """At step 1 and every `every` steps (RAGEN's should_compute); 0 = never."""
-    return bool(every) and (step == 1 or step % every == 0)
+    """At step 1 and every `every` steps (RAGEN's should_compute); 0 = never. Under torchrun rank 0 alone measures:
+    every rank holds the whole batch, and at most 8 prompts make a small pass (nothing trained depends on it)."""
+    return bool(every) and (step == 1 or step % every == 0) and dist.is_main()
 
 
 def think_ids(tok, reply_ids: list[int], texts: dict | None = None) -> list[int]:

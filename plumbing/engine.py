@@ -46,8 +46,33 @@ def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
     return z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
 
 
+def members(seeds: list[int]) -> list[int]:
+    """Each episode's number within its group: the i-th episode of a seed is member i."""
+    out, seen = [], {}
+    for s in seeds:
+        out.append(seen.get(s, 0))
+        seen[s] = out[-1] + 1
+    return out
+
+
+def request_seeds(seeds: list[int], turn: int = 1) -> list[int]:
+    """One sampling seed per episode and turn, from its environment seed, its member number and the turn: the same
+    wherever the episode is played, whatever the number of processes (--request-seeds)."""
+    return [((s * 1_000_003 + m) * 1_000_003 + turn) % 2**63 for s, m in zip(seeds, members(seeds))]
+
+
+def sample(probs: torch.Tensor, generators=None) -> torch.Tensor:
+    """One token per row of probs (b, V): torch's own RNG, or (generators: one per row) each row's own stream, by
+    inverting its cumulative distribution at one uniform draw."""
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generators])  # (b,)
+    cdf = probs.cumsum(-1)  # (b, V)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
 @torch.no_grad()
-def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, turn_cache=None, batch_size=256):
+def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, turn_cache=None, batch_size=256, seeds=None):
     """Sample one reply per prompt with a plain KV-cache loop. Returns [(reply token ids, their log-probs)].
 
     Same rules as vLLM here: temperature, top-p, no top-k, no penalties. Why not model.generate? Members of a
@@ -60,6 +85,9 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, turn_cache=
     episode again, and every reply's cache is stored for the next call. Each row's past is left-padded to the
     longest, and its new tokens are left-padded after it: the padding in between is masked and skipped by the
     position ids, so the sampled tokens and log-probs are those of a full re-prefill.
+
+    seeds (--request-seeds; one per prompt): each row samples from its own generator, so a reply does not depend on
+    which other prompts share its batch (several processes, a resume on another count); None: torch's RNG.
     """
     stops = torch.tensor(stop_token_ids(tok))
     device = next(model.parameters()).device
@@ -95,9 +123,10 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, turn_cache=
         prompt_cols = attn.shape[1]
         tokens, logps = [], []
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)  # (b,)
+        gens = None if seeds is None else [torch.Generator(device).manual_seed(s) for s in seeds[i : i + batch_size]]
         for _ in range(max_tokens):
             logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (b, V)
-            nxt = torch.multinomial(top_p_filter(logp_all, top_p).exp(), 1).squeeze(-1)  # (b,)
+            nxt = sample(top_p_filter(logp_all, top_p).exp(), gens)  # (b,)
             nxt = nxt.masked_fill(done, tok.pad_token_id)  # finished rows only pad
             tokens.append(nxt)
             logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))

@@ -5,6 +5,8 @@ checkpoints/step-000040/ holds policy/ (a save_pretrained model + tokenizer, loa
 adapters alone, policy/adapters.pt, which tools/merge_lora.py folds into a model of their own), state.pt (critic,
 optimizers, RNG states, step, history) and COMPLETE, written last. It is built under a temporary name and renamed
 into place, so a crash mid-save never leaves a half checkpoint that looks whole.
+
+Under torchrun only rank 0 writes (files, report, checkpoints, printed lines); the others read a checkpoint to resume.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plumbing import cpu
+from plumbing import cpu, dist
 from plumbing.flags import fail
 from plumbing.report import build_report, read_jsonl
 
@@ -50,9 +52,11 @@ class Metrics:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open(self.path, "a", encoding="utf-8") if dist.is_main() else None  # torchrun: rank 0 writes
 
     def write(self, record: dict) -> None:
+        if self._f is None:
+            return
         # numpy / torch scalars and arrays as plain numbers and lists (groups.jsonl and collapse.jsonl hold lists)
         clean = {
             k: (v.tolist() if isinstance(v, (np.generic, np.ndarray, torch.Tensor)) else v) for k, v in record.items()
@@ -61,12 +65,15 @@ class Metrics:
         self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 def prepare_run_dir(out_dir: Path, resume: bool, overwrite: bool) -> Path | None:
     """The checkpoint to resume from, or None for a fresh run. Refuses to mix two runs in one directory."""
     out_dir = Path(out_dir)
+    if not dist.is_main():  # torchrun: rank 0 checks and clears the folder; the others only find the checkpoint
+        return latest_checkpoint(out_dir) if resume else None
     has_run = (out_dir / "metrics.jsonl").exists() or (out_dir / "checkpoints").exists()
     if resume:
         ckpt = latest_checkpoint(out_dir)
@@ -232,10 +239,10 @@ class Run:
         self.resume_from = resume_from
         self.start_step, self.history, self.warned, self.skipped_in_a_row, self.time_before = 1, [], set(), 0, 0.0
         self.empty_in_a_row, self.stopped_at = 0, None  # steps in a row whose filter kept no group; an early stop
-        if resume_from is None:
-            config = dict(config, threads=torch.get_num_threads())  # a resumed run starts on the same count
+        if resume_from is None and dist.is_main():
+            config = dict(config, threads=torch.get_num_threads(), processes=dist.world())  # a resume starts on these
             (self.out_dir / "config.json").write_text(json.dumps(dict(dataclasses.asdict(args), **config), indent=1))
-        else:
+        elif resume_from is not None:
             saved = load_checkpoint_state(resume_from)
             if (resume_from / "policy" / ADAPTERS).exists():  # LoRA: the base model loaded, its adapters load here
                 load_adapters(policy, resume_from / "policy" / ADAPTERS)
@@ -246,7 +253,7 @@ class Run:
             self.warned, self.skipped_in_a_row = set(saved["warned"]), saved["skipped_in_a_row"]
             self.empty_in_a_row = saved.get("empty_in_a_row", 0)
             self.time_before = float(saved.get("time_s", 0.0))
-            for name in LOGS:  # the steps after the checkpoint will be run again
+            for name in LOGS if dist.is_main() else ():  # the steps after the checkpoint will be run again
                 truncate_jsonl(self.out_dir / name, saved["step"])
             write_line(f"resumed from {resume_from} at step {saved['step']}")
         self.metrics, self.rollouts, self.groups, self.collapse = (Metrics(self.out_dir / name) for name in LOGS)
@@ -302,9 +309,11 @@ class Run:
 
     def steps(self, desc: str):
         """The training steps still to run, under a progress bar; phase timers start afresh each step."""
-        self.bar = tqdm_bar(
-            range(self.start_step, self.args.steps + 1), desc=desc, initial=self.start_step - 1, total=self.args.steps
+        steps, kw = (
+            range(self.start_step, self.args.steps + 1),
+            dict(initial=self.start_step - 1, total=self.args.steps),
         )
+        self.bar = tqdm_bar(steps, desc=desc, disable=not dist.is_main(), **kw)
         for step in self.bar:
             self.timings, self.t_step = {}, time.time()
             yield step
@@ -316,7 +325,8 @@ class Run:
         self.write_rollouts(records)
         self.metrics.write({"step": step, **val, "time_s": self.time_s(), "timestamp": time.time()})
         self._print_eval(step, val)
-        build_report(self.out_dir)
+        if dist.is_main():
+            build_report(self.out_dir)
 
     def _print_eval(self, step: int, record: dict) -> None:
         self.last_val = record["val/success"]
@@ -351,7 +361,8 @@ class Run:
         self.metrics.write(record)
         if "val/success" in record:
             self._print_eval(step, record)
-            build_report(self.out_dir)
+            if dist.is_main():
+                build_report(self.out_dir)
         self.bar.set_postfix(
             {
                 "succ": f"{record['train/success']:.2f}",
@@ -360,6 +371,8 @@ class Run:
                 "ent": f"{record.get('actor/entropy', 0):.2f}",
             }
         )
+        if dist.any_rank(bool(self.stop.requested)) and not self.stop.requested:  # torchrun: one signalled, all stop
+            self.stop.requested = "SIGTERM"
         if self.skipped_in_a_row >= args.max_skipped:
             fail(
                 "--max-skipped",
@@ -393,12 +406,16 @@ class Run:
             time_s=self.time_s(),
         )
         state.update({name: obj.state_dict() for name, obj in self.state.items()})
-        return save_checkpoint(self.out_dir, step, self.policy, self.tok, state)
+        path = save_checkpoint(self.out_dir, step, self.policy, self.tok, state) if dist.is_main() else None
+        dist.barrier()  # torchrun: the others wait for rank 0's checkpoint
+        return path
 
     def finish(self, extra: str = "") -> None:
         """Close the files and print the final line: steps, time, last val/success, where the policy and report are."""
         for f in (self.metrics, self.rollouts, self.groups, self.collapse):
             f.close()
+        if not dist.is_main():
+            return dist.finish()
         evals = [r for r in read_jsonl(self.out_dir / "metrics.jsonl") if "val/success" in r]
         last = latest_checkpoint(self.out_dir)  # none when --steps 0
         write_line(
@@ -406,6 +423,7 @@ class Run:
             f"{evals[-1]['val/success']:.3f}{extra}; policy: {last / 'policy' if last else 'none saved'}; "
             f"report: {build_report(self.out_dir)}"
         )
+        dist.finish()
 
 
 def tqdm_bar(iterable, **kw):
@@ -429,7 +447,8 @@ def write_line(text: str) -> None:
     """Print above the progress bar (tqdm.write), so the bar stays on the last line."""
     from tqdm import tqdm
 
-    tqdm.write(text)
+    if dist.is_main():  # torchrun: one process speaks
+        tqdm.write(text)
 
 
 def collapse_warnings(history: list[dict], warned: set) -> list[tuple[str, str]]:

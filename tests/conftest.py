@@ -58,7 +58,7 @@ def scripted(answers_per_turn):
     """A generate() whose reply at turn j is answers_per_turn[j] for every episode (closed with <|im_end|>)."""
     tok, calls = FakeTok(), []
 
-    def generate(prompts, temperature, turn_cache=None):
+    def generate(prompts, temperature, turn_cache=None, seeds=None):
         j = len(calls)
         calls.append(prompts)
         text = f"<think> t </think> <answer> {answers_per_turn[j]} </answer>"

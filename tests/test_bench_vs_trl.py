@@ -61,7 +61,7 @@ def _rollout_scores(texts, seeds):
     """starpo_bandit's own rollout path (prompt, generate, decode, parse, step, score) with a scripted generator."""
     replies = iter(texts)
 
-    def generate(prompts, temperature):
+    def generate(prompts, temperature, seeds=None):
         out = []
         for _ in prompts:
             ids = [ord(c) for c in next(replies)] + [0]

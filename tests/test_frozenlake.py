@@ -289,7 +289,7 @@ def test_missing_answer_is_penalised_and_the_episode_goes_on():
     args = args_for("--max-turns", "2")
     tok, n = FakeTok(), []
 
-    def generate(prompts, temperature, turn_cache=None):
+    def generate(prompts, temperature, turn_cache=None, seeds=None):
         n.append(1)
         text = "I just talk" if len(n) == 1 else "<think> t </think> <answer> Right </answer>"
         return [(tok(text)["input_ids"] + [1], [0.0] * (len(text) + 1)) for _ in prompts]
@@ -388,7 +388,7 @@ def test_truncated_reply_is_closed_untrained_and_flagged():
     args = args_for("--max-turns", "2")
     tok = FakeTok()
 
-    def generate(prompts, temperature, turn_cache=None):
+    def generate(prompts, temperature, turn_cache=None, seeds=None):
         text = "<think> t </think> <answer> Right"  # cut mid-answer
         return [(tok(text)["input_ids"], [-0.5] * len(text)) for _ in prompts]
 
@@ -507,7 +507,7 @@ def recorded_rollout(tiny, flags, n=6, temperature=0.8):
     args = args_for("--max-turns", "3", *flags)
     record = []
 
-    def generate(prompts, temp, turn_cache):
+    def generate(prompts, temp, turn_cache, seeds=None):
         out = plumbing.engine.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, turn_cache, 64)
         record.append((prompts, out))
         return out

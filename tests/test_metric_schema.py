@@ -16,7 +16,7 @@ from conftest import FakeTok
 REPLY = "<think> same words </think> <answer> Jump </answer>"  # 52 characters: 52 tokens + <|im_end|>
 
 
-def generate(prompts, temperature, turn_cache=None):
+def generate(prompts, temperature, turn_cache=None, seeds=None):
     tok = FakeTok()
     return [(tok(REPLY)["input_ids"] + [1], [-0.5] * (len(REPLY) + 1)) for _ in prompts]
 

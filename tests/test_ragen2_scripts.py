@@ -46,7 +46,7 @@ def test_payout_draw_group_shares_one_draw():
 
 
 def test_rollout_numbers_the_members_of_a_group():
-    def generate(prompts, temperature):
+    def generate(prompts, temperature, seeds=None):
         tok = FakeTok()
         text = "<think> t </think> <answer> Dragon </answer>"
         return [(tok(text)["input_ids"] + [1], [-0.5] * (len(text) + 1)) for _ in prompts]

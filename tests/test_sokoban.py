@@ -297,7 +297,7 @@ def scripted(tok, replies: list[str], log: list):
     """A generate() for ONE rollout that answers turn j with replies[j]; a trailing '~' = cut at max_tokens."""
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
 
-    def generate(prompts, temperature, turn_cache=None):
+    def generate(prompts, temperature, turn_cache=None, seeds=None):
         assert len(prompts) == 1
         text = replies[len(log)]
         log.append(prompts)
@@ -528,7 +528,7 @@ def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     args = ss.Args(max_tokens=48, max_context_turns=k, max_turns=4)
     caches, calls = [], []
 
-    def generate(prompts, temp, turn_cache):
+    def generate(prompts, temp, turn_cache, seeds=None):
         caches.append(turn_cache)
         calls.append(len({(i // 4, tuple(p)) for i, p in enumerate(prompts)}))  # distinct prompts per chunk of 4
         return plumbing.engine.hf_generate(model, tok, prompts, temp, 1.0, args.max_tokens, turn_cache, 4)
@@ -536,7 +536,7 @@ def test_turn_cache_samples_what_a_full_prefill_samples(tiny, k):
     runs = []
     for reuse in (False, True):
         torch.manual_seed(0)
-        gen = generate if reuse else (lambda prompts, temp, turn_cache: generate(prompts, temp, None))
+        gen = generate if reuse else (lambda prompts, temp, turn_cache, seeds=None: generate(prompts, temp, None))
         runs.append(ss.rollout(gen, tok, [10**9 + i // 2 for i in range(6)], args, 0.7, RUBRIC))
     full, reused = runs
     assert [t.ids for t in full] == [t.ids for t in reused]
@@ -560,7 +560,7 @@ def test_generation_logprobs_match_update_pass(tiny, k):
     model, tok = tiny
     torch.manual_seed(0)
     args = ss.Args(max_tokens=64, max_context_turns=k)
-    gen = lambda prompts, temp, cache: plumbing.engine.hf_generate(
+    gen = lambda prompts, temp, cache, seeds=None: plumbing.engine.hf_generate(
         model, tok, prompts, temp, 1.0, args.max_tokens, cache, 64
     )  # noqa: E731
     trajs = ss.rollout(gen, tok, [10**9 + i for i in range(6)], args, 0.7, RUBRIC)

@@ -1,0 +1,138 @@
+"""Several processes: `torchrun --nproc_per_node N starpo_x.py ...` (nanoGPT's pattern; across machines, torchrun's
+--nnodes / --rdzv-endpoint). Without torchrun, or with N = 1, every function here returns at once and the scripts run
+exactly as in one process.
+
+What a step does with N ranks (the script reads the same; these functions do the talking):
+  * each rank plays its block of the G groups (`block`), on its own engine, with request seeds that depend on the
+    episode and never on N (--request-seeds, on whenever N > 1);
+  * the episodes are gathered (`gather`): every rank holds the whole G x K batch, so every rank applies the same
+    filter, the same group statistics and the same advantages, and skips an empty step together;
+  * each rank scores and trains only the rows of its own groups; the no-grad passes' rows are summed across ranks
+    (`share_rows`), and each optimizer step's gradients are summed (`sum_grads`), weighted by the global mini-batch's
+    token count: the gradient is the one-process gradient. That is DDP's all-reduce, done once per optimizer step
+    instead of per bucket during backward: one collective per optimizer step whatever each rank's row count, so a
+    rank with fewer kept rows (or none) never leaves another waiting, and LoRA's frozen weights need no care;
+  * rank 0 writes the metrics, rollouts, report and checkpoints (`is_main`); the others wait at a barrier.
+On GPUs each rank uses the GPU LOCAL_RANK (nccl); on CPUs gloo.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0)) if world() > 1 else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def active() -> bool:
+    return world() > 1 and dist.is_available() and dist.is_initialized()
+
+
+def init(device: str) -> None:
+    """Join the process group (torchrun set RANK, WORLD_SIZE, MASTER_ADDR/PORT); a no-op in one process."""
+    if world() == 1 or dist.is_initialized():
+        return
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+
+
+def block(n: int) -> range:
+    """This rank's share of n items, a contiguous block: ranks in order cover 0..n-1 (all of it in one process)."""
+    r, w = rank(), world()
+    return range(r * n // w, (r + 1) * n // w)
+
+
+def gather(items: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (pickled: episodes, metric lists)."""
+    if not active():
+        return items
+    out = [None] * world()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def _device(t: torch.Tensor) -> torch.Tensor:
+    return t if dist.get_backend() == "gloo" or t.is_cuda else t.cuda()
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum over ranks, in place (SUM: portable to gloo, unlike AVG)."""
+    if active():
+        moved = _device(t)
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+        if moved is not t:
+            t.copy_(moved)
+    return t
+
+
+def share_rows(t: torch.Tensor | None, mine: torch.Tensor) -> torch.Tensor | None:
+    """t (N, ...) holds this rank's rows (mine: (N,) bool) and stale values elsewhere: every rank gets every rank's
+    rows. Each row is filled on exactly one rank and zero on the others, so the sum is exact."""
+    if t is None or not active():
+        return t
+    t[~mine] = 0
+    return all_sum(t)
+
+
+def all_agree(flag: bool) -> bool:
+    """True on every rank when it is true on every rank (an update is made everywhere or nowhere)."""
+    if not active():
+        return flag
+    return bool(all_sum(torch.tensor([0.0 if flag else 1.0])).item() == 0)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on some rank (a stop signal seen by one rank stops all)."""
+    if not active():
+        return flag
+    return bool(all_sum(torch.tensor([1.0 if flag else 0.0])).item() > 0)
+
+
+def sum_grads(*nets) -> None:
+    """Sum the trainable parameters' gradients over ranks, flattened into one buffer (one collective). A rank that
+    trained no row contributes zeros."""
+    if not active():
+        return
+    params = [p for net in nets if net is not None for p in net.parameters() if p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    all_sum(flat)
+    offset = 0
+    for p in params:
+        g = flat[offset : offset + p.numel()].view_as(p)
+        p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
+        offset += p.numel()
+
+
+def merge_lists(stats: dict[str, list]) -> dict[str, list]:
+    """Per-micro-batch metric lists from every rank, merged by key."""
+    if not active():
+        return stats
+    merged: dict[str, list] = {}
+    for part in gather([stats]):
+        for k, v in part.items():
+            merged.setdefault(k, []).extend(v)
+    return merged
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def finish() -> None:
+    if active():
+        dist.barrier()
+        dist.destroy_process_group()
