@@ -631,6 +631,7 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
         first_len=torch.tensor([len(t.prompt_ids) for t in trajs]),  # the prompt (shared by a group)
         rest_len=torch.tensor([len(t.reply_ids) for t in trajs]),  # what follows it: the reply
         group=group,
+        mine=torch.ones(len(group), dtype=torch.bool),  # torchrun: main() marks this process's rows
         P=P,
     )
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}

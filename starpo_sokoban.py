@@ -1110,6 +1110,7 @@ def collate(rows: list[Row], pad_id: int, device) -> dict:
         first_len=first_len,
         rest_len=length - first_len,  # the tokens after the first prompt
         group=group,
+        mine=torch.ones(len(group), dtype=torch.bool),  # torchrun: main() marks this process's rows
     )
     return {k: v.to(device) for k, v in batch.items()}
 

@@ -4,6 +4,7 @@ is recorded in config.json, a resumed run starts on it, and between steps the co
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -60,7 +61,13 @@ print(torch.equal(one, two))"""
         same[mode] = out.stdout.strip()
     if not torch.backends.mkl.is_available():
         pytest.skip("torch's BLAS here is not MKL")
-    assert same == {"": "False", "AUTO,STRICT": "True"}, same
+    assert same["AUTO,STRICT"] == "True", same
+    if same[""] == "True":  # a CPU where MKL's default path does not split this product's inner dimension
+        pytest.skip(
+            f"MKL here ({platform.processor() or 'this CPU'}) gives the same product on 1 and 2 threads "
+            "without strict mode too (seen on AMD EPYC; the Xeons differ)"
+        )
+    assert same[""] == "False", same
 
 
 def test_a_resumed_run_starts_on_the_count_its_run_started_with(monkeypatch):
