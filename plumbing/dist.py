@@ -89,9 +89,7 @@ def share_rows(t: torch.Tensor | None, mine: torch.Tensor) -> torch.Tensor | Non
 
 def all_agree(flag: bool) -> bool:
     """True on every rank when it is true on every rank (an update is made everywhere or nowhere)."""
-    if not active():
-        return flag
-    return bool(all_sum(torch.tensor([0.0 if flag else 1.0])).item() == 0)
+    return not any_rank(not flag)
 
 
 def any_rank(flag: bool) -> bool:

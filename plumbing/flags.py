@@ -196,7 +196,9 @@ def resolve_run(args, presets: dict, algos: dict, task: str, default_model: str)
         for f in dataclasses.fields(args):
             if f.name in saved and f.name not in given and f.name not in ("resume", "overwrite"):
                 setattr(args, f.name, saved[f.name])
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun: several processes (plumbing/dist.py)
+    from plumbing import dist  # imports torch, as above
+
+    if dist.world() > 1:  # torchrun: several processes
         if not args.output_dir:
             fail("--output-dir", "needed under torchrun: every process must write to (and read from) the same folder")
         args.request_seeds = True  # each episode's sampling noise its own, whatever the number of processes
@@ -237,7 +239,9 @@ def resolve_run(args, presets: dict, algos: dict, task: str, default_model: str)
 
 def common_checks(args) -> list[tuple[str, bool, str]]:
     """(flag, ok, message) for the flags every script has; each script adds its task's own."""
-    processes = int(os.environ.get("WORLD_SIZE", 1))
+    from plumbing import dist  # torch is loaded by now (resolve_run)
+
+    processes = dist.world()
     return [
         ("--n-groups", args.n_groups >= processes, f"must be at least the number of processes ({processes})"),
         (
