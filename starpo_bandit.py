@@ -722,10 +722,11 @@ def add_lora(model: nn.Module, rank: int, alpha: float) -> nn.Module:
         raise ValueError(f"a LoRA rank is >= 1, got {rank}")
     model.requires_grad_(False)
     head = model.get_output_embeddings()
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child is not head:
-                setattr(module, name, LoRALinear(child, rank, alpha))
+    with torch.random.fork_rng(devices=[]):  # A's random init leaves the sampling stream as full fine-tuning has it
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear and child is not head:
+                    setattr(module, name, LoRALinear(child, rank, alpha))
     return model
 
 

@@ -19,6 +19,7 @@ On GPUs each rank uses the GPU LOCAL_RANK (nccl); on CPUs gloo.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -133,4 +134,6 @@ def barrier() -> None:
 def finish() -> None:
     if active():
         dist.barrier()
-        dist.destroy_process_group()
+        vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+        if vllm_groups is None or not vllm_groups.model_parallel_is_initialized():
+            dist.destroy_process_group()  # else the in-process vLLM engine destroys it with its own groups at exit

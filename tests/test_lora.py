@@ -52,6 +52,16 @@ def test_the_adapted_model_starts_as_the_base_and_adapts_every_decoder_linear_la
     assert set(sb.merged_state_dict(adapted)) == set(base.state_dict())  # transformers' names, nothing more
 
 
+def test_adding_adapters_leaves_the_sampling_stream_alone():
+    """A's random init draws from a forked generator: a LoRA run samples its first episodes as full fine-tuning does."""
+    model = tiny_model()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    sb.add_lora(model, rank=4, alpha=64)
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_merged_weights_equal_the_adapted_forward_and_adapters_off_is_the_base():
     base, adapted = tiny_model(), sb.add_lora(tiny_model(), rank=4, alpha=16)
     for m in adapted.modules():

