@@ -9,7 +9,9 @@ It needs only torch and transformers (no vLLM, no download), so it runs on a bar
      reply runs to 400 tokens: an upper bound). Qwen's own vocabulary (151,936 tokens) would add ~136M embedding
      parameters; the tiny tokenizer's does not, and the JSON says so;
   3. the same for one step each with --lora-rank 64, with --gradient-checkpointing, and with the memory plan's 24 GB
-     line (bench/memory_plan.py): peak memory to set beside the plan's computed rows.
+     line (bench/memory_plan.py): peak memory to set beside the plan's computed rows;
+  4. torchrun with 2 processes (nccl, one GPU each) against one process with --request-seeds, the bandit's tiny
+     model: the metrics that must agree, and s/step of each. Skipped, saying so, with fewer than 2 GPUs.
 
     python bench/gpu_smoke.py                        # on a GPU machine
     python bench/gpu_smoke.py --device cpu --quick   # the same plumbing on a CPU in a minute or two (a check)
@@ -18,6 +20,7 @@ It needs only torch and transformers (no vLLM, no download), so it runs on a bar
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +56,40 @@ def run(script, argv: list[str], device: str) -> dict:
         "response_length_mean": [round(r["response_length/mean"], 1) for r in train],
         "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
         "final_val_success": [r["val/success"] for r in rows if "val/success" in r][-1],
+    }
+
+
+def torchrun_pair(device: str, small: list[str]) -> dict:
+    """starpo_bandit.py on 2 processes (torchrun) against 1 with --request-seeds: the keys that differ (timings and
+    the per-micro-batch means aside; tests/test_torchrun.py holds the same on CPUs) and each run's s/step."""
+    count = torch.cuda.device_count() if device == "cuda" else 2  # on a CPU: 2 gloo processes, a plumbing check
+    if count < 2:
+        return {"skipped": f"needs 2 GPUs, found {count}"}
+    argv = ["--model", "tiny", *small, "--device", device, "--backend", "hf", "--sample-every", "0", "--mi-every", "0"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    per_micro_batch = ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss")
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, cmd in (
+            (1, [sys.executable, "starpo_bandit.py", "--request-seeds"]),
+            (2, [*launcher, "starpo_bandit.py"]),
+        ):
+            out = Path(tmp) / f"n{n}"
+            done = subprocess.run([*cmd, *argv, "--output-dir", str(out)], cwd=ROOT, capture_output=True, text=True)
+            if done.returncode:
+                return {"failed": f"{n} process(es), exit {done.returncode}: {done.stderr[-2000:]}"}
+            runs[n] = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    skip = lambda k: (
+        k.startswith(("timing_s/", "time_s", "timestamp")) or k in per_micro_batch or k == "actor/grad_norm"
+    )
+    differ = sorted({k for a, b in zip(*runs.values()) for k in a if not skip(k) and a[k] != b.get(k)})
+    norms = [(a["actor/grad_norm"], b["actor/grad_norm"]) for a, b in zip(*runs.values()) if "actor/grad_norm" in a]
+    return {
+        "argv": " ".join(argv),
+        "keys_that_differ": differ,  # expected: none
+        "grad_norm_max_rel_diff": max((abs(a - b) / max(abs(a), 1e-12) for a, b in norms), default=None),
+        "s_per_step_1_process": [round(r["timing_s/step"], 2) for r in runs[1] if "timing_s/step" in r],
+        "s_per_step_2_processes": [round(r["timing_s/step"], 2) for r in runs[2] if "timing_s/step" in r],
     }
 
 
@@ -127,6 +164,8 @@ def main():
             one = [*paper, "--steps", "1", *flags]
             result[f"qwen2.5_0.5b_architecture_{key}"] = run(ss, one, a.device)
             print(key, result[f"qwen2.5_0.5b_architecture_{key}"], flush=True)
+    result["torchrun_2_processes"] = torchrun_pair(a.device, small)
+    print("torchrun", result["torchrun_2_processes"], flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"written to {a.out}")
