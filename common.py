@@ -15,6 +15,11 @@ import math
 import torch
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 up to float32; float32 and float64 as they are (a float64 check stays float64 throughout)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probability of each token under softmax(logits / temperature).
 
@@ -22,7 +27,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     the ratio pi_new / pi_old is exactly 1 on-policy only if the update uses the same temperature.
     logits: (B, T, V), tokens: (B, T) -> (B, T).
     """
-    z = logits.float() / temperature  # (B, T, V)
+    z = at_least_float32(logits) / temperature  # (B, T, V)
     picked = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
     return picked - torch.logsumexp(z, dim=-1)  # (B, T); avoids materialising a second (B, T, V) tensor
 
@@ -32,7 +37,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
     Pass logits already divided by the temperature to get the entropy of the sampling distribution.
     """
-    z = logits.float()
+    z = at_least_float32(logits)
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 

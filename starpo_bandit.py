@@ -774,7 +774,7 @@ class Critic(nn.Module):
 
 def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the reply tokens. Only the reply positions go through the LM head."""
-    logits = forward.reply_outputs(model, mb, "logits", logits_to_keep=1).float() / temperature  # (b, r, V)
+    logits = common.at_least_float32(forward.reply_outputs(model, mb, "logits", logits_to_keep=1)) / temperature
     logp = common.token_logprobs(logits, mb["reply_ids"], 1.0)  # (b, r)
     entropy = common.entropy_from_logits(logits)  # (b, r)
     return logp, entropy

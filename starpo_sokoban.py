@@ -1255,7 +1255,7 @@ def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, t
     """
     h = forward.hidden_states(model.base_model, mb)  # (b, L, H)
     trained = mb["loss_mask"].bool()  # (b, L - 1)
-    logits = model.get_output_embeddings()(h[:, :-1][trained]).float() / temperature  # (M, V): M trained tokens
+    logits = common.at_least_float32(model.get_output_embeddings()(h[:, :-1][trained])) / temperature  # (M, V)
     logp = torch.zeros(trained.shape, device=h.device)  # (b, L - 1)
     entropy = torch.zeros(trained.shape, device=h.device)  # (b, L - 1)
     logp[trained] = common.token_logprobs(logits[None], mb["targets"][trained][None], 1.0)[0]  # (M,)

@@ -5,6 +5,7 @@ The bandit's tiny model, 3 groups over 2 processes: the blocks are uneven (1 and
 group, so one process trains no row in the step and must still take part in the gradient sum without a hang.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +67,7 @@ def test_two_processes_equal_one(one, tmp_path):
     assert config["processes"] == 2 and config["request_seeds"] is True
     groups = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
     assert len(groups) == 2  # written once (rank 0), not once per process
+    assert (tmp_path / "rollouts.jsonl").read_text() == (out1 / "rollouts.jsonl").read_text()  # the same episodes
 
 
 def test_resume_on_another_process_count(one, tmp_path):
@@ -75,6 +78,89 @@ def test_resume_on_another_process_count(one, tmp_path):
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert same(m1[2], resumed[2]) == {}
     assert resumed[2]["actor/grad_norm"] == pytest.approx(m1[2]["actor/grad_norm"], rel=1e-5)
+
+
+def test_resume_from_one_process_on_two(one, tmp_path):
+    out1, m1 = one
+    run(tmp_path, 1, "--request-seeds", "--steps", "1")
+    resumed = run(tmp_path, 2, "--resume", "--steps", "2")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    assert same(m1[2], resumed[2]) == {}
+    assert resumed[2]["actor/grad_norm"] == pytest.approx(m1[2]["actor/grad_norm"], rel=1e-5)
+
+
+def test_an_empty_step_is_skipped_by_every_process(tmp_path):
+    """Every score 0: no group has a signal, top-p keeps none, and both processes skip the step together (a process
+    that went on to the update would wait for the other forever); two empty steps in a row end the run."""
+    zero = ["--algo", "starpo-s2", "--rubric-weights", "env_reward=0,format_reward=0,invalid_answer_penalty=0"]
+    rows = run(tmp_path, 2, *zero, "--empty-stop-steps", "2", "--steps", "4")
+    steps = [r for r in rows if "rollout/empty_after_filter" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["rollout/empty_after_filter"] == 1 for r in steps)
+    assert all(not any(k.startswith("actor/") for k in r) for r in steps)  # no update ran
+
+
+def tiny_qwen():
+    """A random two-layer Qwen2 in float64 (no download), the same on every call."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config).double()
+
+
+def update_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One PPO update of a random float64 Qwen2 on a fixed batch of 4 groups x 3 rows, this rank training its block
+    of the groups (2 optimizer steps of 6 rows, micro-batches of 2): rank 0 saves the weights."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    import plumbing.dist as dist
+    import starpo_bandit as sb
+
+    dist.init("cpu")
+    policy = tiny_qwen()
+    g = torch.Generator().manual_seed(1)
+    trajs = []
+    for group in range(4):
+        prompt = torch.randint(2, 64, (3 + group,), generator=g).tolist()
+        for _ in range(3):
+            reply = torch.randint(2, 64, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+            trajs.append(sb.Trajectory(group, prompt, reply, [-1.0] * len(reply), None, 0.0, {}))
+    batch = sb.collate(trajs, 0, "cpu")
+    batch["mine"] = torch.tensor([i // 3 in dist.block(4) for i in range(len(trajs))])
+    mask = batch["reply_mask"].double()
+    inputs = dict(
+        mask=mask,
+        advantages=torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask,
+        returns=None,
+        old_logp=(batch["gen_logprobs"].double() - 0.1 * torch.rand(mask.shape, generator=g, dtype=torch.float64)),
+        ref_logp=None,
+        old_values=None,
+        tis=None,
+    )
+    args = sb.Args(ppo_epochs=2, mini_batch_size=6, micro_batch_size=2, entropy_coef=0.01)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)  # the step is the gradient (Adam would amplify 1e-16s)
+    shuffle = torch.Generator().manual_seed(0)
+    sb.ppo_update(policy, None, None, opt, None, batch, inputs, args, shuffle, contextlib.nullcontext())
+    if dist.is_main():
+        torch.save(policy.state_dict(), out)
+    dist.finish()
+
+
+def test_one_update_on_two_processes_equals_one_in_float64(tmp_path):
+    """The update's weights at N = 2 equal N = 1 to 1e-10 in float64: each shuffled mini-batch's rows fall unevenly
+    between the ranks (and are of unequal lengths), the gradient is summed once per optimizer step."""
+    import torch.multiprocessing as mp
+
+    outs = {}
+    for world, port in ((1, 29611), (2, 29612)):
+        outs[world] = str(tmp_path / f"n{world}.pt")
+        mp.spawn(update_worker, args=(world, port, outs[world]), nprocs=world, join=True)
+    one, two = torch.load(outs[1]), torch.load(outs[2])
+    start = tiny_qwen().state_dict()
+    moved = [k for k in one if not torch.equal(one[k], start[k])]
+    assert len(moved) > 10  # the update moved the weights
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-10)
 
 
 def test_torchrun_needs_an_output_dir():
