@@ -32,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+import plumbing.dist  # noqa: E402
 import plumbing.tiny  # noqa: E402
 import starpo_bandit as sb  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
@@ -67,7 +68,6 @@ def torchrun_pair(device: str, small: list[str]) -> dict:
         return {"skipped": f"needs 2 GPUs, found {count}"}
     argv = ["--model", "tiny", *small, "--device", device, "--backend", "hf", "--sample-every", "0", "--mi-every", "0"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    per_micro_batch = ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss")
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n, cmd in (
@@ -79,10 +79,7 @@ def torchrun_pair(device: str, small: list[str]) -> dict:
             if done.returncode:
                 return {"failed": f"{n} process(es), exit {done.returncode}: {done.stderr[-2000:]}"}
             runs[n] = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    skip = lambda k: (
-        k.startswith(("timing_s/", "time_s", "timestamp")) or k in per_micro_batch or k == "actor/grad_norm"
-    )
-    differ = sorted({k for a, b in zip(*runs.values()) for k in a if not skip(k) and a[k] != b.get(k)})
+    differ = sorted({k for a, b in zip(*runs.values()) for k in plumbing.dist.differing_metrics(a, b)})
     norms = [(a["actor/grad_norm"], b["actor/grad_norm"]) for a, b in zip(*runs.values()) if "actor/grad_norm" in a]
     return {
         "argv": " ".join(argv),

@@ -131,6 +131,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+# Means over micro-batches (their split follows the rows each process holds) and the gradient norm (the order of a
+# float sum): these differ with the number of processes; every other metric of a step does not.
+VARY_WITH_PROCESSES = ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss")
+VARY_WITH_PROCESSES += ("actor/grad_norm",)  # compared to a tolerance instead (tests/test_torchrun.py)
+
+
+def differing_metrics(a: dict, b: dict) -> dict:
+    """{key: (a's, b's)} for the metrics of row a that row b does not repeat, timings and VARY_WITH_PROCESSES aside:
+    empty when two runs on different process counts agree as they should."""
+    varies = lambda k: k.startswith(("timing_s/", "time_s", "timestamp")) or k in VARY_WITH_PROCESSES
+    return {k: (a[k], b.get(k)) for k in a if not varies(k) and a[k] != b.get(k)}
+
+
 def finish() -> None:
     if active():
         dist.barrier()

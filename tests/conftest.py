@@ -29,6 +29,20 @@ def run_script_file(script: str, *flags, timeout: float = 900, env_extra: dict |
     )
 
 
+def tiny_qwen():
+    """A random two-layer Qwen2 built from its config (no download): hidden 32, vocabulary 64, tied embeddings; the
+    same weights on every call."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
 # ---- a scripted "model": fixed replies, and a tokenizer that is one token per character ---------------------------
 
 

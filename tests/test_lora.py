@@ -15,21 +15,11 @@ import transformers
 import plumbing.run
 import starpo_bandit as sb
 import starpo_frozenlake as sf
-from conftest import ROOT
+from conftest import ROOT, tiny_qwen
 from plumbing.report import read_jsonl
 
 SMALL = ["--n-groups", "2", "--group-size", "4", "--val-size", "8", "--sample-every", "0", "--max-tokens", "24"]
 TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$)")
-
-
-def tiny_model():
-    """A random two-layer Qwen2 built from its config (no download): hidden 32, vocabulary 64, tied embeddings."""
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-    )  # fmt: skip
-    return transformers.Qwen2ForCausalLM(config).eval()
 
 
 def logits(model, ids):
@@ -41,8 +31,8 @@ IDS = torch.tensor([[1, 5, 9, 33, 2, 17, 40, 8]])
 
 
 def test_the_adapted_model_starts_as_the_base_and_adapts_every_decoder_linear_layer():
-    base = tiny_model()
-    adapted = sb.add_lora(tiny_model(), rank=4, alpha=64)
+    base = tiny_qwen()
+    adapted = sb.add_lora(tiny_qwen(), rank=4, alpha=64)
     assert torch.equal(logits(adapted, IDS), logits(base, IDS))  # B = 0: exactly the base
     layers = {n for n, m in adapted.named_modules() if isinstance(m, sb.LoRALinear)}
     assert len(layers) == 2 * 7 and all(n.split(".")[-1].endswith("_proj") for n in layers)  # q k v o gate up down
@@ -54,7 +44,7 @@ def test_the_adapted_model_starts_as_the_base_and_adapts_every_decoder_linear_la
 
 def test_adding_adapters_leaves_the_sampling_stream_alone():
     """A's random init draws from a forked generator: a LoRA run samples its first episodes as full fine-tuning does."""
-    model = tiny_model()
+    model = tiny_qwen()
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
@@ -63,13 +53,13 @@ def test_adding_adapters_leaves_the_sampling_stream_alone():
 
 
 def test_merged_weights_equal_the_adapted_forward_and_adapters_off_is_the_base():
-    base, adapted = tiny_model(), sb.add_lora(tiny_model(), rank=4, alpha=16)
+    base, adapted = tiny_qwen(), sb.add_lora(tiny_qwen(), rank=4, alpha=16)
     for m in adapted.modules():
         if isinstance(m, sb.LoRALinear):
             torch.nn.init.normal_(m.lora_B, std=0.05)
     out = logits(adapted, IDS)
     assert (out - logits(base, IDS)).abs().max() > 1e-2  # the adapters do change the model
-    merged = tiny_model()
+    merged = tiny_qwen()
     merged.load_state_dict(sb.merged_state_dict(adapted))
     assert torch.allclose(logits(merged, IDS), out, atol=1e-5, rtol=0)
     with sb.adapters_off(adapted):
@@ -80,7 +70,7 @@ def test_merged_weights_equal_the_adapted_forward_and_adapters_off_is_the_base()
 def test_the_copies_are_the_bandits():
     assert sf.LoRALinear is not sb.LoRALinear  # each script has its own (tools/check_copies.py keeps them identical)
     with pytest.raises(ValueError, match="rank"):  # a zero rank is --lora-rank 0: no adapters, never a layer of rank 0
-        sb.add_lora(tiny_model(), rank=0, alpha=64)
+        sb.add_lora(tiny_qwen(), rank=0, alpha=64)
 
 
 def capture_models(monkeypatch):

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from conftest import tiny_qwen
 from safetensors.torch import load_file
+
+from plumbing.dist import differing_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ["--steps", "2", "--n-groups", "3", "--val-size", "8", "--eval-every", "1", "--mi-every", "0"]
-# Means over micro-batches: their split follows the rows each process holds, so these differ (the gradient does not)
-PER_MICRO_BATCH = ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss")
 
 
 def run(out: Path, processes: int, *extra: str) -> list[dict]:
@@ -30,14 +30,6 @@ def run(out: Path, processes: int, *extra: str) -> list[dict]:
     done = subprocess.run(cmd + list(extra), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def same(a: dict, b: dict) -> dict:
-    """The keys whose values differ, timings and the per-micro-batch means left out."""
-    skip = lambda k: (
-        k.startswith(("timing_s/", "time_s", "timestamp")) or k in PER_MICRO_BATCH or k == "actor/grad_norm"
-    )
-    return {k: (a[k], b.get(k)) for k in a if not skip(k) and a[k] != b.get(k)}
 
 
 def weights(out: Path, step: int) -> dict:
@@ -55,7 +47,8 @@ def test_two_processes_equal_one(one, tmp_path):
     m2 = run(tmp_path, 2)
     assert [r["step"] for r in m2] == [0, 1, 2]
     for a, b in zip(m1, m2):
-        assert same(a, b) == {}, a["step"]  # episodes, rewards, filter, kept groups, evaluation: exactly equal
+        # episodes, rewards, filter, kept groups, evaluation: exactly equal
+        assert differing_metrics(a, b) == {}, a["step"]
         if "actor/grad_norm" in a:  # the gradient summed over processes is the one-process gradient
             assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
     assert m1[1]["rollout/filter_kept_count"] == 1  # one group kept: one process trained no row
@@ -76,7 +69,7 @@ def test_resume_on_another_process_count(one, tmp_path):
     assert [r["step"] for r in first] == [0, 1]
     resumed = run(tmp_path, 1, "--resume", "--steps", "2")  # ... and finish on 1
     assert [r["step"] for r in resumed] == [0, 1, 2]
-    assert same(m1[2], resumed[2]) == {}
+    assert differing_metrics(m1[2], resumed[2]) == {}
     assert resumed[2]["actor/grad_norm"] == pytest.approx(m1[2]["actor/grad_norm"], rel=1e-5)
 
 
@@ -85,7 +78,7 @@ def test_resume_from_one_process_on_two(one, tmp_path):
     run(tmp_path, 1, "--request-seeds", "--steps", "1")
     resumed = run(tmp_path, 2, "--resume", "--steps", "2")
     assert [r["step"] for r in resumed] == [0, 1, 2]
-    assert same(m1[2], resumed[2]) == {}
+    assert differing_metrics(m1[2], resumed[2]) == {}
     assert resumed[2]["actor/grad_norm"] == pytest.approx(m1[2]["actor/grad_norm"], rel=1e-5)
 
 
@@ -99,16 +92,6 @@ def test_an_empty_step_is_skipped_by_every_process(tmp_path):
     assert all(not any(k.startswith("actor/") for k in r) for r in steps)  # no update ran
 
 
-def tiny_qwen():
-    """A random two-layer Qwen2 in float64 (no download), the same on every call."""
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-    )  # fmt: skip
-    return transformers.Qwen2ForCausalLM(config).double()
-
-
 def update_worker(rank: int, world: int, port: int, out: str) -> None:
     """One PPO update of a random float64 Qwen2 on a fixed batch of 4 groups x 3 rows, this rank training its block
     of the groups (2 optimizer steps of 6 rows, micro-batches of 2): rank 0 saves the weights."""
@@ -117,7 +100,7 @@ def update_worker(rank: int, world: int, port: int, out: str) -> None:
     import starpo_bandit as sb
 
     dist.init("cpu")
-    policy = tiny_qwen()
+    policy = tiny_qwen().double()
     g = torch.Generator().manual_seed(1)
     trajs = []
     for group in range(4):
@@ -156,7 +139,7 @@ def test_one_update_on_two_processes_equals_one_in_float64(tmp_path):
         outs[world] = str(tmp_path / f"n{world}.pt")
         mp.spawn(update_worker, args=(world, port, outs[world]), nprocs=world, join=True)
     one, two = torch.load(outs[1]), torch.load(outs[2])
-    start = tiny_qwen().state_dict()
+    start = tiny_qwen().double().state_dict()
     moved = [k for k in one if not torch.equal(one[k], start[k])]
     assert len(moved) > 10  # the update moved the weights
     for k in one:
