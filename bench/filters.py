@@ -3,6 +3,7 @@
     python bench/filters.py bandit --seeds 0 1 2            # 3 filters x 3 seeds of `python starpo_bandit.py`
     python bench/filters.py sokoban --seeds 0 --filters top_p  # some of them
     python bench/filters.py bandit --seeds 0 -- --steps 4 --val-size 8   # extra flags for every run, after --
+    python bench/filters.py frozenlake --seeds --merge /tmp/a.json /tmp/b.json  # add runs measured elsewhere, run none
 
 Each run is the task's default command (the tiny preset, warm model cache: training time only) with the filter's
 flags added: `top_k` = the command as it is (StarPO-S's top-k: 25% of the groups, 50% under the multi-turn tiny
@@ -64,18 +65,49 @@ def summarise_run(rows: list[dict], wall: float) -> dict:
     }
 
 
+def summarise_filters(runs: dict) -> dict:
+    """Per filter, the mean over its seeds (runs keyed "<filter>/seed<n>")."""
+    by_filter = {}
+    for name in FILTERS:
+        group = {key.split("/")[1]: r for key, r in runs.items() if key.startswith(name + "/")}
+        if group:
+            mean = lambda field: statistics.mean(r[field] or 0.0 for r in group.values())  # noqa: E731
+            by_filter[name] = {
+                "seeds": len(group),
+                "final_val_success": {seed: r["final_val_success"] for seed, r in group.items()},
+                "final_val_success_mean": mean("final_val_success"),
+                "best_val_success_mean": mean("best_val_success"),
+                "kept_ratio_mean": mean("kept_ratio_mean"),
+                "skipped_steps_mean": mean("skipped_steps"),
+                "s_per_step_mean": mean("s_per_step_mean"),
+            }
+    return by_filter
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("task", choices=["bandit", "frozenlake", "sokoban"])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="none: run nothing (with --merge)")
     ap.add_argument("--filters", nargs="+", choices=list(FILTERS), default=list(FILTERS))
     ap.add_argument(
         "--out", default=None, help="default bench/results/filters_<task>.json; runs already there are kept"
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="add the runs of these files (two sweeps run side by side)",
     )
     ap.add_argument("extra", nargs="*", help="flags for every run, after --")
     args = ap.parse_args(argv)
     out = Path(args.out or harness.ROOT / "bench" / "results" / f"filters_{args.task}.json")
     result = json.loads(out.read_text()) if out.exists() else {"task": args.task, "runs": {}}
+    for path in args.merge:
+        other = json.loads(Path(path).read_text())
+        if other.get("task") != args.task:
+            sys.exit(f"--merge {path}: its runs are of {other.get('task')!r}, not {args.task!r}")
+        result["runs"].update(other["runs"])
     for seed in args.seeds:
         for name in args.filters:
             flags = [*FILTERS[name], "--seed", str(seed), *args.extra]
@@ -87,18 +119,7 @@ def main(argv=None) -> None:
                 **summarise_run(run["rows"], run["wall"]),
             }
             out.write_text(json.dumps(result, indent=1))  # after every run: a long sweep keeps what it measured
-    by_filter = {}
-    for name in FILTERS:
-        runs = [r for key, r in result["runs"].items() if key.startswith(name + "/")]
-        if runs:
-            by_filter[name] = {
-                "seeds": len(runs),
-                "final_val_success_mean": statistics.mean(r["final_val_success"] for r in runs),
-                "best_val_success_mean": statistics.mean(r["best_val_success"] for r in runs),
-                "kept_ratio_mean": statistics.mean(r["kept_ratio_mean"] or 0.0 for r in runs),
-                "skipped_steps_mean": statistics.mean(r["skipped_steps"] for r in runs),
-                "s_per_step_mean": statistics.mean(r["s_per_step_mean"] for r in runs),
-            }
+    by_filter = summarise_filters(result["runs"])
     result["by_filter"] = by_filter
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(by_filter, indent=1))

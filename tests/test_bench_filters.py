@@ -1,5 +1,6 @@
 """bench/filters.py: the filter comparison's commands and what it reads off each run."""
 
+import json
 import sys
 
 import pytest
@@ -34,3 +35,29 @@ def test_summarise_run_reads_success_kept_ratio_skips_and_the_diagnostics_cost()
     assert got["collapse_share_of_step"] == pytest.approx(0.1)  # 4 s of 40 s
     assert got["curves"]["collapse/mi_estimate"] == {"1": 0.1, "3": pytest.approx(0.3)}
     assert got["warnings"] == {"4": ["warn/echo_trap"]}
+
+
+def test_the_filters_means_and_merging_two_sweeps_run_side_by_side(tmp_path):
+    def run(final, kept, s_step):
+        return {
+            "final_val_success": final,
+            "best_val_success": final + 0.1,
+            "kept_ratio_mean": kept,
+            "skipped_steps": 1,
+            "s_per_step_mean": s_step,
+        }
+
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps({"task": "sokoban", "runs": {"top_k/seed0": run(0.4, 0.5, 10.0)}}))
+    b.write_text(
+        json.dumps({"task": "sokoban", "runs": {"top_k/seed1": run(0.2, 0.5, 6.0), "none/seed1": run(0.3, None, 8.0)}})
+    )
+    filters.main(["sokoban", "--seeds", "--merge", str(a), str(b), "--out", str(out)])  # runs nothing
+    got = json.loads(out.read_text())
+    assert sorted(got["runs"]) == ["none/seed1", "top_k/seed0", "top_k/seed1"]
+    top_k = got["by_filter"]["top_k"]
+    assert top_k["seeds"] == 2 and top_k["final_val_success"] == {"seed0": 0.4, "seed1": 0.2}
+    assert top_k["final_val_success_mean"] == pytest.approx(0.3) and top_k["s_per_step_mean"] == pytest.approx(8.0)
+    assert got["by_filter"]["none"]["kept_ratio_mean"] == 0.0 and "top_p" not in got["by_filter"]
+    with pytest.raises(SystemExit, match="of 'sokoban', not 'bandit'"):
+        filters.main(["bandit", "--seeds", "--merge", str(a), "--out", str(tmp_path / "x.json")])
