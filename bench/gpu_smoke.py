@@ -67,12 +67,11 @@ def torchrun_pair(device: str, small: list[str]) -> dict:
     if count < 2:
         return {"skipped": f"needs 2 GPUs, found {count}"}
     argv = ["--model", "tiny", *small, "--device", device, "--backend", "hf", "--sample-every", "0", "--mi-every", "0"]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n, cmd in (
-            (1, [sys.executable, "starpo_bandit.py", "--request-seeds"]),
-            (2, [*launcher, "starpo_bandit.py"]),
+            (1, [*plumbing.dist.launcher(1), "starpo_bandit.py", "--request-seeds"]),
+            (2, [*plumbing.dist.launcher(2), "starpo_bandit.py"]),
         ):
             out = Path(tmp) / f"n{n}"
             done = subprocess.run([*cmd, *argv, "--output-dir", str(out)], cwd=ROOT, capture_output=True, text=True)

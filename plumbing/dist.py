@@ -144,6 +144,14 @@ def differing_metrics(a: dict, b: dict) -> dict:
     return {k: (a[k], b.get(k)) for k in a if not varies(k) and a[k] != b.get(k)}
 
 
+def launcher(processes: int) -> list[str]:
+    """The command prefix that runs a script on `processes` local processes: torchrun for 2 or more (as `python -m
+    torch.distributed.run`, so this venv's torch runs it), plain python for 1 (the tests and bench/gpu_smoke.py)."""
+    if processes < 2:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+
+
 def finish() -> None:
     if active():
         dist.barrier()

@@ -17,15 +17,14 @@ import torch
 from conftest import tiny_qwen
 from safetensors.torch import load_file
 
-from plumbing.dist import differing_metrics
+from plumbing.dist import differing_metrics, launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ["--steps", "2", "--n-groups", "3", "--val-size", "8", "--eval-every", "1", "--mi-every", "0"]
 
 
 def run(out: Path, processes: int, *extra: str) -> list[dict]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    cmd = (launcher if processes > 1 else [sys.executable]) + ["starpo_bandit.py", *FLAGS, "--output-dir", str(out)]
+    cmd = [*launcher(processes), "starpo_bandit.py", *FLAGS, "--output-dir", str(out)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     done = subprocess.run(cmd + list(extra), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

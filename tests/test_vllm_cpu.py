@@ -10,7 +10,6 @@ whole module: an engine's first start compiles, a minute or more on two cores.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -277,8 +276,7 @@ def test_two_processes_each_with_an_engine_equal_one(tmp_path):
     flags = ["--backend", "vllm", "--steps", "2", "--val-size", "16", "--sample-every", "0"]
     r = run_script_file("starpo_bandit.py", *flags, "--request-seeds", "--output-dir", str(tmp_path / "n1"))
     assert r.returncode == 0, r.stderr[-3000:]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd = [*launcher, "starpo_bandit.py", *flags, "--output-dir", str(tmp_path / "n2")]
+    cmd = [*plumbing.dist.launcher(2), "starpo_bandit.py", *flags, "--output-dir", str(tmp_path / "n2")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
