@@ -457,26 +457,31 @@ def collapse_warnings(history: list[dict], warned: set) -> list[tuple[str, str]]
     per step with HISTORY_KEYS (a key is absent on a step that did not log it); warned: the once-per-run kinds that
     already fired (updated here). Three kinds:
 
-    * echo_trap: the in-group reward std collapses (RAGEN: it falls first, then the entropy). From step 8, when the
-      mean in-group std over the last 3 steps falls below 10% of its best earlier value; once per run. It also
-      fires on convergence (every reply the same and right): check val/success, which an echo trap makes fall.
-    * gradient_spike: the gradient norm exceeds 5x the median of the previous 10 finite norms (from 6 norms on),
-      RAGEN's point of no return; every time. One spike alone is often harmless: see whether val/success holds.
+    * echo_trap: the in-group reward std collapses (RAGEN: it falls first, then the entropy). From step 20, when the
+      mean in-group std over the last 10 steps falls below a quarter of its best mean over 10 earlier steps (a
+      window that ends before the last 10 begin); once per run. Ten steps, because one step's std is the mean of a
+      few groups: on Sokoban two batches in a row where every group happened to agree are common, and a 3-step
+      window fired on them in 7 of 9 healthy runs (docs/RESULTS.md, 2026-12-06 (warnings)). It also fires on
+      convergence (every reply the same and right): check val/success, which an echo trap makes fall.
+    * gradient_spike: the gradient norm exceeds 5x the median of the previous 10 non-zero norms (from 6 on), RAGEN's
+      point of no return; every time. A norm of 0 is a step with nothing to learn (every group agreed: no update),
+      so it neither counts nor sets the median. One spike alone is often harmless: see whether val/success holds.
     * template_collapse: the reasoning stops depending on the prompt. Over the steps that carry
       collapse/mi_zscore_ema, once at least 4 measurements exist, when the mean of the last 2 is below 30% of the
       best earlier value (before those 2) and that best value exceeds 0.5; once per run.
     """
     out = []
-    stds = [v for h in history if math.isfinite(v := h.get("rollout/in_group_std", math.nan))]
-    if len(stds) >= 8 and "echo_trap" not in warned:
-        best, recent = max(stds[:-3]), statistics.mean(stds[-3:])
-        if best > 0 and recent < 0.1 * best:
+    stds, W = [v for h in history if math.isfinite(v := h.get("rollout/in_group_std", math.nan))], 10
+    if len(stds) >= 2 * W and "echo_trap" not in warned:
+        best = max(statistics.mean(stds[i : i + W]) for i in range(len(stds) - 2 * W + 1))
+        recent = statistics.mean(stds[-W:])
+        if best > 0 and recent < 0.25 * best:
             warned.add("echo_trap")
-            why = f"in-group reward std collapsed ({best:.3f} -> {recent:.3f}), or the policy converged"
+            why = f"in-group reward std collapsed (mean over 10 steps {best:.3f} -> {recent:.3f}), or the policy converged"
             out.append(("echo_trap", why + "; check val/success"))
-    norms = [v for h in history if math.isfinite(v := h.get("actor/grad_norm", math.nan))]
+    norms = [v for h in history if math.isfinite(v := h.get("actor/grad_norm", math.nan)) and v > 0]
     now = history[-1].get("actor/grad_norm", math.nan) if history else math.nan  # absent on a skipped step
-    if len(norms) >= 6 and math.isfinite(now):
+    if len(norms) >= 6 and math.isfinite(now) and now > 0:
         med = statistics.median(norms[-11:-1])
         if med > 0 and norms[-1] > 5 * med:
             why = f"gradient norm {norms[-1]:.3g} is over 5x the median of the last 10 ({med:.3g})"

@@ -45,15 +45,30 @@ def fired_by_step(rows):
 
 
 def test_echo_trap_fires_once_when_the_std_collapses():
-    rows = history(std=[0.4] * 6 + [0.02] * 6)
+    rows = history(std=[0.4] * 12 + [0.02] * 12)
     fired = fired_by_step(rows)
-    assert fired == {9: ["echo_trap"]}  # the mean of steps 7-9 is 0.02 < 10% of 0.4; never again
-    _, msg = collapse_warnings(rows[:9], set())[0]
-    assert "0.400 -> 0.020" in msg and "val/success" in msg
+    assert fired == {20: ["echo_trap"]}  # steps 11-20 average (2 x 0.4 + 8 x 0.02) / 10 = 0.096 < 0.4 / 4; once
+    _, msg = collapse_warnings(rows[:20], set())[0]
+    assert "0.400 -> 0.096" in msg and "val/success" in msg
 
 
-@pytest.mark.parametrize("std", [[0.4] * 12, [0.4] * 5 + [0.06] * 7, [0.0] * 12, [0.4] * 4 + [0.0] * 3])
-def test_echo_trap_quiet_on_a_steady_std_a_mild_fall_an_all_zero_run_or_too_few_steps(std):
+# Sokoban without a filter (python starpo_sokoban.py --filter none --seed 1), steps 1-30: a healthy run (val/success
+# 0.03 -> 0.43 by step 30) whose 8 groups all agreed at steps 14, 15, 20, 23, 27 and 30. A 3-step window fired at 16.
+SOKOBAN_STD = [1.73, 1.46, 1.98, 0.74, 2.80, 1.72, 1.64, 0.67, 1.64, 1.73, 1.13, 1.91, 3.52, 0.0, 0.0]
+SOKOBAN_STD += [0.09, 0.49, 1.99, 0.67, 0.0, 0.49, 1.91, 0.0, 0.98, 0.49, 1.42, 0.0, 0.49, 0.50, 0.0]
+
+
+@pytest.mark.parametrize(
+    "std",
+    [
+        [0.4] * 25,  # steady
+        [0.4] * 10 + [0.12] * 15,  # a mild fall: 0.12 is over a quarter of 0.4
+        [0.0] * 25,  # never any signal: nothing collapsed
+        [0.4] * 10 + [0.0] * 9,  # too few steps (19)
+        SOKOBAN_STD,  # a few unanimous batches in a noisy std
+    ],
+)
+def test_echo_trap_quiet_on_a_steady_std_a_mild_fall_an_all_zero_run_too_few_steps_or_unanimous_batches(std):
     assert fired_by_step(history(std=std)) == {}
 
 
@@ -78,6 +93,14 @@ def test_gradient_spike_fires_each_time_and_not_on_a_skipped_step():
 def test_gradient_spike_needs_six_norms_and_ignores_nan():
     assert fired_by_step(history(norms=[1.0] * 4 + [50.0])) == {}
     assert fired_by_step(history(norms=[1.0] * 6 + [float("nan"), 1.0])) == {}
+
+
+def test_a_zero_norm_is_no_update_neither_counted_nor_in_the_median():
+    """Every group agreed, so nothing was learned (Sokoban without a filter, often): a norm of 0 is not a typical
+    norm. Counted, these zeros would halve the median and make 0.2 a 5x spike."""
+    assert fired_by_step(history(norms=[0.05, 0.0] * 6 + [0.2])) == {}
+    assert fired_by_step(history(norms=[0.05, 0.0] * 6 + [0.3])) == {13: ["gradient_spike"]}  # 6x the 0.05s
+    assert fired_by_step(history(norms=[1.0] * 4 + [0.0] * 4 + [50.0])) == {}  # 5 norms, not 9
 
 
 # ---- template collapse: the MI z-score (EMA) falls -----------------------------------------------------------------
@@ -115,8 +138,8 @@ def test_template_collapse_needs_four_measurements_not_four_steps():
 
 
 def test_kinds_fire_together_and_apart():
-    rows = history(std=[0.4] * 6 + [0.01] * 3, norms=[1.0] * 8 + [9.0], mi=[2.0, None, 2.0, None, 0.1, None, 0.1])
-    assert fired_by_step(rows) == {7: ["template_collapse"], 9: ["echo_trap", "gradient_spike"]}
+    rows = history(std=[0.4] * 12 + [0.01] * 8, norms=[1.0] * 19 + [9.0], mi=[2.0, None, 2.0, None, 0.1, None, 0.1])
+    assert fired_by_step(rows) == {7: ["template_collapse"], 20: ["echo_trap", "gradient_spike"]}
 
 
 # ---- the run's writers and end_step -----------------------------------------------------------------------------
