@@ -93,7 +93,8 @@ def summarise(
 ) -> dict:
     """The one schema: the eval curve (step, wall seconds since the command started, val/success, with the random
     and optimal reference on the same evaluation set when the script logs them), the wall time to each threshold,
-    seconds per step and their breakdown, the machine and its load. judged: the default run, so the target counts."""
+    seconds per step and their breakdown, the warnings that fired (kind -> steps), the machine and its load. judged:
+    the default run, so the target counts."""
     rows, config, t0 = run["rows"], run["config"], run["t0"]
     evals = [r for r in rows if "val/success" in r]
     train = [r for r in rows if "timing_s/gen" in r]
@@ -131,6 +132,11 @@ def summarise(
         "collapse_share_of_step": round(collapse_s / step_s, 4) if step_s else None,
         "collapse_s_per_step_mean": round(collapse_s / len(train), 3) if train else None,
         "eval_curve": curve,
+        "warnings": {
+            k[5:]: [r["step"] for r in rows if r.get(k)]
+            for k in sorted({k for r in rows for k in r})
+            if k.startswith("warn/")
+        },
         "target": f">= {target_success:g} eval success within {target_wall_s:g} s wall time (cold cache, default run)",
         "target_met": bool(judged and reached is not None and reached <= target_wall_s),
         "machine": machine(run["load_start"]),

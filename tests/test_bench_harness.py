@@ -26,7 +26,7 @@ def fake_run(multi_turn: bool) -> dict:
         if multi_turn:
             r["train/num_turns"] = 3.0
         rows.append(r)
-    rows[-1].update({"val/success": 0.5, "timing_s/eval": 2.0, "timing_s/step": 10.0})
+    rows[-1].update({"val/success": 0.5, "timing_s/eval": 2.0, "timing_s/step": 10.0, "warn/gradient_spike": 1})
     if multi_turn:
         for r in rows:
             if "val/success" in r:
@@ -51,6 +51,7 @@ def test_one_schema_for_every_task():
     assert multi["median_s_per_step_excl_eval"] == 8.0 and multi["median_s_breakdown"]["gen"] == 4.0
     assert multi["gen_tokens_per_s"] == 20 * 8 * 3 / 4.0 and single["gen_tokens_per_s"] == 20 * 8 / 4.0
     assert not harness.summarise(fake_run(True), "x", 0.4, 1200, (0.4,), judged=False)["target_met"]  # a quick check
+    assert multi["warnings"] == {"gradient_spike": [2]}  # kind -> the steps it fired on
     assert single["collapse_share_of_step"] == 0.0 and single["collapse_s_per_step_mean"] == 0.0  # none measured
 
 
