@@ -2,8 +2,10 @@
 
 import json
 import signal
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -201,3 +203,16 @@ def test_end_step_names_the_warning_in_the_line_and_the_metric(run, tmp_path, ca
     out = capsys.readouterr().out
     assert "warning: gradient spike: gradient norm 50 is over 5x" in out and out.count("warning:") == 1
     assert run.history[-1] == {"step": 9, "rollout/in_group_std": 0.3, "actor/grad_norm": 50.0}
+
+
+def test_bench_warnings_replay_replays_a_sweep_runs_std_curve_step_by_step():
+    """bench/warnings_replay.py: today's rule over a recorded curve, beside what fired when it was recorded."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import warnings_replay
+
+    std = {str(s + 1): v for s, v in enumerate([0.4] * 12 + [0.02] * 12)}  # keys as JSON keeps them: "1" .. "24"
+    run = {"curves": {"rollout/in_group_std": std}, "warnings": {"9": ["warn/echo_trap"], "5": ["warn/gradient_spike"]}}
+    rows, then = warnings_replay.from_sweep(run)
+    assert [r["step"] for r in rows] == list(range(1, 25)) and then == {"echo_trap": [9]}
+    assert warnings_replay.replay(rows) == {"echo_trap": [20]}
+    assert warnings_replay.recorded([{"step": 3, "warn/gradient_spike": 1}, {"step": 4}]) == {"gradient_spike": [3]}
