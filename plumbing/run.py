@@ -484,7 +484,7 @@ def collapse_warnings(history: list[dict], warned: set) -> list[tuple[str, str]]
     if len(norms) >= 6 and math.isfinite(now) and now > 0:
         med = statistics.median(norms[-11:-1])
         if med > 0 and norms[-1] > 5 * med:
-            why = f"gradient norm {norms[-1]:.3g} is over 5x the median of the last 10 ({med:.3g})"
+            why = f"gradient norm {norms[-1]:.3g} is over 5x the median of the last 10 non-zero ones ({med:.3g})"
             out.append(("gradient_spike", why + "; see whether val/success holds"))
     mi = [h for h in history if math.isfinite(h.get("collapse/mi_zscore_ema", math.nan))]
     if len(mi) >= 4 and "template_collapse" not in warned:
