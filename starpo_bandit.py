@@ -25,9 +25,7 @@ tools/check_copies.py; the machinery (generation engine, run management) is plum
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import math
 import os
 import random
 import re
@@ -211,7 +209,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
 from common import agg_loss, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, select_groups, value_loss  # noqa: E402
-from plumbing import collapse, cpu, dist, engine, forward, tiny  # noqa: E402
+from plumbing import collapse, cpu, dist, engine, forward, lora, tiny, update  # noqa: E402
 from plumbing.report import single_turn_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
@@ -514,7 +512,7 @@ def vllm_push_weights(llm, model, awake: bool = True) -> None:
     if not awake:
         llm.wake_up()
     dtype = llm.llm_engine.model_config.dtype
-    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(model).items()]  # LoRA: merged
+    weights = [(name, t.detach().to(dtype)) for name, t in lora.merged_state_dict(model).items()]  # LoRA: merged
     try:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     except (AttributeError, TypeError, NotImplementedError) as e:
@@ -631,7 +629,6 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict:
         first_len=torch.tensor([len(t.prompt_ids) for t in trajs]),  # the prompt (shared by a group)
         rest_len=torch.tensor([len(t.reply_ids) for t in trajs]),  # what follows it: the reply
         group=group,
-        mine=torch.ones(len(group), dtype=torch.bool),  # torchrun: main() marks this process's rows
         P=P,
     )
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
@@ -689,66 +686,6 @@ def advantages_of(args: Args, kept_scores, batch: dict, mask, old_values):
 ########################################################################################################################
 
 
-# ---- LoRA (--lora-rank r): the model frozen, a trainable low-rank update W + (alpha / r) B A on each linear layer ----
-
-
-class LoRALinear(nn.Linear):
-    """A frozen nn.Linear plus a trainable low-rank update (Hu et al. 2021): y = x W^T + b + (alpha / r) x A^T B^T.
-    B starts at zero, so the adapted model starts as the base. The base layer's own tensors keep their names (weight,
-    bias), so the state_dict keeps transformers' names; lora_A and lora_B are new."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias  # the base layer's own tensors, not copies
-        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
-        self.lora_A = nn.Parameter(nn.init.kaiming_uniform_(torch.empty(rank, self.in_features, **kw), a=math.sqrt(5)))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **kw))  # (out, r); lora_A: (r, in), peft's init
-        self.scale, self.enabled = alpha / rank, True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight, self.bias)
-        if not self.enabled:  # adapters_off: the base model
-            return y
-        return y + self.scale * nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B)
-
-    def merged_weight(self) -> torch.Tensor:  # W + (alpha / r) B A in float32, out of place: W itself never changes
-        return (self.weight.float() + self.scale * self.lora_B.float() @ self.lora_A.float()).to(self.weight.dtype)
-
-
-def add_lora(model: nn.Module, rank: int, alpha: float) -> nn.Module:
-    """Freeze the model and adapt every nn.Linear but the output head (peft's "all-linear"), in place."""
-    if rank < 1:
-        raise ValueError(f"a LoRA rank is >= 1, got {rank}")
-    model.requires_grad_(False)
-    head = model.get_output_embeddings()
-    with torch.random.fork_rng(devices=[]):  # A's random init leaves the sampling stream as full fine-tuning has it
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear and child is not head:
-                    setattr(module, name, LoRALinear(child, rank, alpha))
-    return model
-
-
-@contextlib.contextmanager
-def adapters_off(model: nn.Module):
-    """The model without its adapters: the base model, StarPO's KL reference under LoRA (no second copy in memory)."""
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    for m in layers:
-        m.enabled = False
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m.enabled = True
-
-
-def merged_state_dict(model: nn.Module) -> dict:
-    """The model's weights under transformers' names, every adapter folded in: what vLLM gets at each push."""
-    merged = {f"{name}.weight": m.merged_weight() for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-    return {k: merged.get(k, v) for k, v in model.state_dict().items() if ".lora_" not in k}
-
-
 class Critic(nn.Module):
     """A separate copy of the language model's body with a scalar value head (RAGEN's PPO critic)."""
 
@@ -758,7 +695,7 @@ class Critic(nn.Module):
 
         self.body = AutoModel.from_pretrained(path, dtype=dtype)
         if args.lora_rank:  # --lora-rank: the body gets its own adapters, the value head (below) trains whole
-            add_lora(self.body, args.lora_rank, args.lora_alpha)
+            lora.add_adapters(self.body, args.lora_rank, args.lora_alpha)
         if args.gradient_checkpointing:
             self.body.gradient_checkpointing_enable({"use_reentrant": False})
         self.head = nn.Linear(self.body.config.hidden_size, 1)
@@ -780,134 +717,87 @@ def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, t
     return logp, entropy
 
 
-def micro_batches(n: int, size: int, generator=None):
-    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    return [order[i : i + size] for i in range(0, n, size)]
-
-
 @torch.no_grad()
 def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: bool, autocast) -> tuple[dict, dict]:
-    """old_logp, ref_logp (for the KL term), old_values, each (N, C) over the batch's loss columns, and tis (TIS
-    weights, or None); then metrics: how far the sampler's log-probs were from the trainer's (recompute only).
+    """old_logp, ref_logp (for the KL term) and old_values, each (N, C) over the batch's loss columns; then metrics:
+    how far the sampler's log-probs were from the trainer's (rollout/logprob_diff_mean, _max; recompute only).
 
     A float32 hf sampler already scored its tokens with these very weights (tests check the match to 1e-4), so we
     reuse those log-probs; a bf16 sampler (vLLM, or the policy's bf16 copy on a CPU) differs slightly, so there
-    (recompute) we recompute them at the update's precision, as veRL does, and log the gap on the sampled tokens
-    (rollout/logprob_diff_mean, _max): the train / inference mismatch. Unless the update is one optimizer step
-    (--ppo-epochs 1, every row in one mini-batch): its weights then cannot move before its own pass, which therefore
-    gives the old log-probs (a ratio of 1, veRL's on-policy shortcut). old_logp is None then, and ppo_update takes
-    them, the gap and the TIS weights from that pass: one forward pass fewer.
+    (recompute) we recompute them at the update's precision, as veRL does, and log the gap: the train / inference
+    mismatch. Unless the update is one optimizer step (update.OnPolicy): then its own pass gives the old log-probs,
+    old_logp is None, and ppo_update logs the gap. One forward pass fewer.
     """
-    one_step = args.ppo_epochs == 1 and len(mask) <= args.mini_batch_size
-    recompute, deferred = recompute and not one_step, recompute and one_step
+    deferred = recompute and update.OnPolicy.applies(args.ppo_epochs, len(mask), args.mini_batch_size)
+    recompute = recompute and not deferred
     old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
     ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
     policy.eval()
-    rows = batch["mine"].nonzero().squeeze(-1)  # (M,): this rank's rows (torchrun; all of them in one process)
     with autocast:
-        plan = forward.micro_batch_plan(
-            *(batch[k][rows] for k in ("first_len", "rest_len", "group")), args.micro_batch_size
-        )
-        for idx in (rows[i] for i in plan):
-            mb = micro_view(batch, idx)
-            c = mb["cols"]
+        for mb, _ in update.micro_batches(batch, None, args.micro_batch_size, micro_view):  # rows of like length
+            i, c = mb["idx"], mb["cols"]  # its rows, and its columns (up to its longest row)
             if recompute:
-                old_logp[idx, :c] = policy_forward(policy, mb, args.temperature)[0]
+                old_logp[i, :c] = policy_forward(policy, mb, args.temperature)[0]
             if ref is not None:
-                with adapters_off(ref):  # under LoRA the reference is the policy without its adapters
-                    ref_logp[idx, :c] = policy_forward(ref, mb, args.temperature)[0]
+                with lora.adapters_off(ref):  # under LoRA the reference is the policy without its adapters
+                    ref_logp[i, :c] = policy_forward(ref, mb, args.temperature)[0]
             if critic is not None:
-                old_values[idx, :c] = critic(mb).float()
-    for t, computed in ((old_logp, recompute), (ref_logp, ref is not None), (old_values, critic is not None)):
-        if computed:
-            dist.share_rows(t, batch["mine"])  # torchrun: every rank gets every rank's rows
-    tis, metrics = None, {}
-    if recompute:
-        gap = common.logprob_mismatch(old_logp, batch["gen_logprobs"], mask)
-        metrics = {"rollout/logprob_diff_mean": gap["mean"], "rollout/logprob_diff_max": gap["max"]}
-        if args.tis_cap > 0:
-            tis = common.tis_weights(old_logp, batch["gen_logprobs"], args.tis_cap)  # (N, C)
-    old_logp = None if deferred else old_logp  # None: ppo_update's own pass gives them
-    return dict(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values, tis=tis), metrics
+                old_values[i, :c] = critic(mb).float()
+    computed = (recompute, ref is not None, critic is not None)
+    update.all_rows(batch, *(t for t, done in zip((old_logp, ref_logp, old_values), computed) if done))
+    metrics = update.sampler_gap(old_logp, batch, mask) if recompute else {}
+    return dict(old_logp=None if deferred else old_logp, ref_logp=ref_logp, old_values=old_values), metrics
 
 
 def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, args: Args, generator, autocast):
-    """--ppo-epochs passes over the rows in shuffled mini-batches (one optimizer step each, gradients accumulated
-    over micro-batches): clipped policy loss - entropy bonus (+ KL) (+ the critic's clipped value loss).
-    inputs: mask, advantages, returns (None without a critic), old_logp, ref_logp, old_values, tis (None: off).
-    old_logp None (one optimizer step, a sampler of another precision; see old_logprobs): this pass's own log-probs
-    are the old ones, and the gap to the sampler's (rollout/logprob_diff_*) and the TIS weights come from them.
-    Returns (metrics: actor/..., critic/..., skipped updates). An update whose loss or gradient is not finite is
-    skipped whole: one NaN would poison the weights and the Adam state."""
-    mask, advantages, returns, tis = inputs["mask"], inputs["advantages"], inputs["returns"], inputs["tis"]
+    """--ppo-epochs passes over the rows in shuffled mini-batches, one optimizer step each (its micro-batches'
+    gradients accumulated): clipped policy loss - entropy bonus (+ KL) (+ the critic's clipped value loss).
+    inputs: mask, advantages, returns (None without a critic), old_logp (None: this pass gives them, see
+    old_logprobs), ref_logp, old_values. --tis-cap C: each token's loss times min(pi_train / pi_sampler, C).
+    Returns (metrics: actor/..., critic/..., skipped optimizer steps). A step whose loss or gradient is not finite
+    is skipped whole: one NaN would poison the weights and the Adam state."""
+    mask, advantages, returns = inputs["mask"], inputs["advantages"], inputs["returns"]
     old_logp, ref_logp, old_values = inputs["old_logp"], inputs["ref_logp"], inputs["old_values"]
+    own = update.OnPolicy(mask) if old_logp is None else None  # this pass's log-probs are the old ones
     policy.train()
     stats: dict[str, list] = {}
     skipped = 0
-    own = torch.zeros_like(mask) if old_logp is None else None  # (N, C): this pass's log-probs, when they are the old
-    for _ in range(args.ppo_epochs):
-        for mini in micro_batches(len(mask), args.mini_batch_size, generator):
-            opt.zero_grad(set_to_none=True)
-            if critic_opt:
-                critic_opt.zero_grad(set_to_none=True)
-            mini_mask, finite = mask[mini], True  # the whole mini-batch's mask: each micro-batch's loss weight
-            mine = mini[batch["mine"][mini]]  # this rank's rows of it (torchrun; all of them in one process)
-            lengths = (batch[k][mine] for k in ("first_len", "rest_len", "group"))
-            for idx in forward.micro_batch_plan(*lengths, args.micro_batch_size):  # rows of like length together
-                mb = micro_view(batch, mine[idx])
-                i, c = mb["idx"], mb["cols"]
-                m = mask[i, :c]  # (b, c)
-                w = common.micro_batch_weight(
-                    m, mini_mask, args.loss_agg
-                )  # micro-batches add up to the mini-batch loss
-                with autocast:
-                    logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
-                is_w = None if tis is None else tis[i, :c]  # (b, c): importance weights (--tis-cap), or None
-                old = old_logp[i, :c] if old_logp is not None else logp.detach()  # (b, c)
-                if own is not None:  # the weights have not moved: this pass is the old policy (ratio 1)
-                    own[i, :c] = old
-                    if args.tis_cap > 0:  # tis is None here: the weights come from this pass
-                        is_w = common.tis_weights(old, batch["gen_logprobs"][i, :c], args.tis_cap)
-                clips = (args.clip_low, args.clip_high, args.dual_clip or None)
-                pg, pg_stats = policy_loss(logp, old, advantages[i, :c], m, *clips, args.loss_agg, is_w)
-                ent = agg_loss(entropy, m, args.loss_agg)
-                loss = pg - args.entropy_coef * ent
-                if ref is not None:
-                    kl = agg_loss(kl_penalty(logp, ref_logp[i, :c], args.kl_kind), m, args.loss_agg)
-                    loss = loss + args.kl_coef * kl
-                    pg_stats["kl_loss"] = kl.item()
-                if critic is not None:
-                    with autocast:
-                        values = critic(mb)  # (b, c)
-                    vf, vf_stats = value_loss(values, old_values[i, :c], returns[i, :c], m, 0.5, args.loss_agg)
-                    loss = loss + vf  # separate parameters and optimizers: one backward serves both
-                    pg_stats.update(vf_stats)
-                finite = finite and bool(torch.isfinite(loss))
-                if finite:
-                    (loss * w).backward()
-                pg_stats["entropy"] = ent.item()
-                for k, v in pg_stats.items():
-                    stats.setdefault(k, []).append(v)
-            finite = dist.all_agree(finite)  # torchrun: every rank steps, or none does
-            if finite:
-                dist.sum_grads(policy, critic)  # torchrun: the whole mini-batch's gradient, on every rank
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
+    for mini in update.mini_batches(len(mask), args.mini_batch_size, args.ppo_epochs, generator):
+        finite = True
+        for mb, w in update.micro_batches(batch, mini, args.micro_batch_size, micro_view, mask, args.loss_agg):
+            i, c = mb["idx"], mb["cols"]  # w: its share of the mini-batch's loss
+            m = mask[i, :c]  # (b, c)
+            with autocast:
+                logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
+            old = own.old(logp, i, c) if own is not None else old_logp[i, :c]  # (b, c)
+            gen = batch["gen_logprobs"][i, :c]  # (b, c): the sampler's log-probs
+            is_w = common.tis_weights(old, gen, args.tis_cap) if args.tis_cap else None  # (b, c), or None
+            clips = (args.clip_low, args.clip_high, args.dual_clip or None)
+            pg, pg_stats = policy_loss(logp, old, advantages[i, :c], m, *clips, args.loss_agg, is_w)
+            ent = agg_loss(entropy, m, args.loss_agg)
+            loss = pg - args.entropy_coef * ent
+            if ref is not None:
+                kl = agg_loss(kl_penalty(logp, ref_logp[i, :c], args.kl_kind), m, args.loss_agg)
+                loss = loss + args.kl_coef * kl
+                pg_stats["kl_loss"] = kl.item()
             if critic is not None:
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
-            if finite and math.isfinite(grad_norm):
-                stats.setdefault("grad_norm", []).append(grad_norm)
-                opt.step()
-                if critic_opt:
-                    critic_opt.step()
-            else:
-                skipped += 1
-    stats = dist.merge_lists(stats)  # torchrun: every rank's micro-batches
-    out = {("critic/" if k.startswith("vf_") else "actor/") + k: statistics.mean(v) for k, v in stats.items()}
-    out["actor/skipped_updates"] = skipped
-    if own is not None:  # as old_logprobs logs it when it runs the pass itself
-        dist.share_rows(own, batch["mine"])
-        gap = common.logprob_mismatch(own, batch["gen_logprobs"], mask)
-        out["rollout/logprob_diff_mean"], out["rollout/logprob_diff_max"] = gap["mean"], gap["max"]
+                with autocast:
+                    values = critic(mb)  # (b, c)
+                vf, vf_stats = value_loss(values, old_values[i, :c], returns[i, :c], m, 0.5, args.loss_agg)
+                loss = loss + vf  # separate parameters and optimizers: one backward serves both
+                pg_stats.update(vf_stats)
+            finite = update.backward(loss, w, finite)
+            pg_stats["entropy"] = ent.item()
+            for k, v in pg_stats.items():
+                stats.setdefault(k, []).append(v)
+        grad_norm = update.step(finite, (policy, opt), (critic, critic_opt))  # clipped to 1; None: skipped
+        if grad_norm is None:
+            skipped += 1
+        else:
+            stats.setdefault("grad_norm", []).append(grad_norm)
+    out = {**update.means(stats), "actor/skipped_updates": skipped}
+    if own is not None:
+        out.update(own.sampler_gap(batch, mask))
     if critic is not None:
         ret, val_old = returns[mask.bool()], old_values[mask.bool()]
         out["critic/vf_explained_var"] = (
@@ -1079,7 +969,7 @@ def main(argv=None):
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
     policy = load(policy_path)
     if args.lora_rank:  # only the adapters train; the KL reference is the policy with its adapters off
-        add_lora(policy, args.lora_rank, args.lora_alpha)
+        lora.add_adapters(policy, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing:  # each layer keeps its input; the backward pass recomputes the rest
         policy.gradient_checkpointing_enable({"use_reentrant": False})
     ref = (policy if args.lora_rank else load(model_path).eval()) if args.kl_coef > 0 else None
@@ -1144,7 +1034,7 @@ def main(argv=None):
             batch_trajs = [trajs[g * n + j] for g in kept for j in range(n)]  # K * n trajectories
             batch = collate(batch_trajs, tok.pad_token_id, device)
             N, R = batch["reply_mask"].shape
-            batch["mine"] = torch.tensor([kept[i // n] in dist.block(G) for i in range(N)], device=device)  # (N,)
+            batch["mine"] = dist.played_here([kept[i // n] for i in range(N)], G, device)  # (N,): torchrun
             truncated = torch.tensor([t.truncated for t in batch_trajs], device=device)  # (N,)
             trained = ~truncated if args.mask_truncated else torch.ones_like(truncated)  # (N,)
             mask = batch["reply_mask"] * trained[:, None]  # (N, R)

@@ -6,6 +6,9 @@ It never imports a script: a script hands in what it owns (its Args, presets, wa
     flags.py    Args dataclass -> kebab-case flags, grouped --help, the checks every script shares (torch-free)
     engine.py   the CPU generation engine: a KV-cache sampling loop with vllm_generate's call shape
     forward.py  the update's prompt-sharing forward pass and like-length micro-batches
+    update.py   the update's loops: micro-batches and their weights, the optimizer step, the on-policy shortcut
+    lora.py     LoRA: the adapter layer, adding and switching off adapters, the merged weights, checkpoints' adapters
+    dist.py     torchrun: each process's block of groups, the gather, the gradient sum
     run.py      run directory, metrics files, checkpoints and resume, signals, timers, echo-trap warnings
     cpu.py      threads, glibc's malloc, seeding, precision
     tiny.py     the embedded tiny models' build, and the world-model warm-up

@@ -56,6 +56,13 @@ def block(n: int) -> range:
     return range(r * n // w, (r + 1) * n // w)
 
 
+def played_here(groups: list[int], n_groups: int, device=None) -> torch.Tensor:
+    """(rows,) bool: the rows this process trains, those of the groups (of the step's n_groups) it played (`block`);
+    every row in one process. groups: each row's group."""
+    mine = block(n_groups)
+    return torch.tensor([g in mine for g in groups], dtype=torch.bool, device=device)
+
+
 def gather(items: list) -> list:
     """Every rank's list, concatenated in rank order, on every rank (pickled: episodes, metric lists)."""
     if not active():

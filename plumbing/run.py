@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from plumbing import cpu, dist
+from plumbing.lora import ADAPTERS, adapter_state, load_adapters
 from plumbing.flags import fail
 from plumbing.report import build_report, read_jsonl
 
 
-ADAPTERS = "adapters.pt"  # a LoRA checkpoint's policy/: its adapters' tensors under the model's parameter names
 LOGS = ("metrics.jsonl", "rollouts.jsonl", "groups.jsonl", "collapse.jsonl")  # a run's jsonl files, one line per step
 # the metrics collapse_warnings reads, kept per step in Run.history (and in checkpoints, so a resume keeps them)
 HISTORY_KEYS = (
@@ -153,20 +153,6 @@ def save_checkpoint(out_dir: Path, step: int, policy, tok, state: dict, keep: in
     return final
 
 
-def adapter_state(model) -> dict:
-    """A model's LoRA adapters (the scripts' LoRALinear.lora_A / lora_B) by parameter name; {} without LoRA."""
-    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
-
-
-def load_adapters(model, path: Path, flag: str = "--resume") -> None:
-    """Load a LoRA checkpoint's adapters into a model that has adapters of the same shapes (add_lora)."""
-    adapters = _load_state(path)
-    own = {k: v.shape for k, v in adapter_state(model).items()}
-    if own != {k: v.shape for k, v in adapters.items()}:
-        fail(flag, f"{path} holds other adapters than this model's (the run's --lora-rank is in its config.json)")
-    model.load_state_dict(adapters, strict=False)
-
-
 def load_checkpoint_state(ckpt: Path) -> dict:
     return _load_state(Path(ckpt) / "state.pt")
 
@@ -245,7 +231,10 @@ class Run:
         elif resume_from is not None:
             saved = load_checkpoint_state(resume_from)
             if (resume_from / "policy" / ADAPTERS).exists():  # LoRA: the base model loaded, its adapters load here
-                load_adapters(policy, resume_from / "policy" / ADAPTERS)
+                try:
+                    load_adapters(policy, resume_from / "policy" / ADAPTERS)
+                except ValueError as e:
+                    fail("--resume", str(e))
             for name, obj in self.state.items():
                 obj.load_state_dict(saved[name])
             set_rng_state(saved["rng"], *self.generators)

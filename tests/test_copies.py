@@ -44,7 +44,6 @@ SHARED_BY_ALL = {
     "vllm_push_weights",
     "parse_reply",
     "_between",
-    "micro_batches",
     "score_turn",
     "old_logprobs",
     "ppo_update",
@@ -53,10 +52,6 @@ SHARED_BY_ALL = {
     "FORMAT_RE",
     "format_reward",
     "ALGOS",
-    "LoRALinear",
-    "add_lora",
-    "adapters_off",
-    "merged_state_dict",
 }
 
 
@@ -105,10 +100,10 @@ def test_a_changed_source_fails_every_copy(tmp_path):
     root = copy_scripts(tmp_path)
     path = root / "starpo_bandit.py"
     text = path.read_text()
-    old = "    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)\n"
-    path.write_text(text.replace(old, old.replace("torch.arange(n)", "torch.arange(n).flip(0)")))
+    old = '    return _between(text, "think"), _between(text, "answer")\n'
+    path.write_text(text.replace(old, old.replace('"answer")', '"answer").strip()')))
     problems = check_copies.check(root)
-    assert len(problems) == 2 and all("micro_batches: differs from starpo_bandit.micro_batches" in p for p in problems)
+    assert len(problems) == 2 and all("parse_reply: differs from starpo_bandit.parse_reply" in p for p in problems)
 
 
 def test_bad_markers_and_unmarked_repetition_are_reported(tmp_path):
@@ -116,8 +111,8 @@ def test_bad_markers_and_unmarked_repetition_are_reported(tmp_path):
     path = root / "starpo_sokoban.py"
     text = path.read_text()
     path.write_text(
-        text.replace("# Copied from starpo_bandit.micro_batches\n", "# Copied from starpo_bandit.no_such_block\n")
+        text.replace("# Copied from starpo_bandit.parse_reply\n", "# Copied from starpo_bandit.no_such_block\n")
     )
     assert any("starpo_bandit.no_such_block, which does not exist" in p for p in check_copies.check(root))
-    path.write_text(text.replace("# Copied from starpo_bandit.micro_batches\n", ""))  # the same code, unmarked
-    assert any("micro_batches" in p and "identical but not marked" in p for p in check_copies.check(root))
+    path.write_text(text.replace("# Copied from starpo_bandit.parse_reply\n", ""))  # the same code, unmarked
+    assert any("parse_reply" in p and "identical but not marked" in p for p in check_copies.check(root))

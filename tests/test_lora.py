@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-import plumbing.run
 import starpo_bandit as sb
-import starpo_frozenlake as sf
+import plumbing.run
+from plumbing import lora
 from conftest import ROOT, tiny_qwen
 from plumbing.report import read_jsonl
 
@@ -32,14 +32,14 @@ IDS = torch.tensor([[1, 5, 9, 33, 2, 17, 40, 8]])
 
 def test_the_adapted_model_starts_as_the_base_and_adapts_every_decoder_linear_layer():
     base = tiny_qwen()
-    adapted = sb.add_lora(tiny_qwen(), rank=4, alpha=64)
+    adapted = lora.add_adapters(tiny_qwen(), rank=4, alpha=64)
     assert torch.equal(logits(adapted, IDS), logits(base, IDS))  # B = 0: exactly the base
-    layers = {n for n, m in adapted.named_modules() if isinstance(m, sb.LoRALinear)}
+    layers = {n for n, m in adapted.named_modules() if isinstance(m, lora.LoRALinear)}
     assert len(layers) == 2 * 7 and all(n.split(".")[-1].endswith("_proj") for n in layers)  # q k v o gate up down
     assert type(adapted.lm_head) is torch.nn.Linear  # the output head is not adapted (peft's "all-linear")
     trained = {n for n, p in adapted.named_parameters() if p.requires_grad}
     assert trained == {f"{n}.lora_{x}" for n in layers for x in "AB"}
-    assert set(sb.merged_state_dict(adapted)) == set(base.state_dict())  # transformers' names, nothing more
+    assert set(lora.merged_state_dict(adapted)) == set(base.state_dict())  # transformers' names, nothing more
 
 
 def test_adding_adapters_leaves_the_sampling_stream_alone():
@@ -48,29 +48,28 @@ def test_adding_adapters_leaves_the_sampling_stream_alone():
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
-    sb.add_lora(model, rank=4, alpha=64)
+    lora.add_adapters(model, rank=4, alpha=64)
     assert torch.equal(torch.rand(3), expected)
 
 
 def test_merged_weights_equal_the_adapted_forward_and_adapters_off_is_the_base():
-    base, adapted = tiny_qwen(), sb.add_lora(tiny_qwen(), rank=4, alpha=16)
+    base, adapted = tiny_qwen(), lora.add_adapters(tiny_qwen(), rank=4, alpha=16)
     for m in adapted.modules():
-        if isinstance(m, sb.LoRALinear):
+        if isinstance(m, lora.LoRALinear):
             torch.nn.init.normal_(m.lora_B, std=0.05)
     out = logits(adapted, IDS)
     assert (out - logits(base, IDS)).abs().max() > 1e-2  # the adapters do change the model
     merged = tiny_qwen()
-    merged.load_state_dict(sb.merged_state_dict(adapted))
+    merged.load_state_dict(lora.merged_state_dict(adapted))
     assert torch.allclose(logits(merged, IDS), out, atol=1e-5, rtol=0)
-    with sb.adapters_off(adapted):
+    with lora.adapters_off(adapted):
         assert torch.equal(logits(adapted, IDS), logits(base, IDS))  # the KL reference: the base, no second copy
     assert torch.equal(logits(adapted, IDS), out)  # and back on
 
 
-def test_the_copies_are_the_bandits():
-    assert sf.LoRALinear is not sb.LoRALinear  # each script has its own (tools/check_copies.py keeps them identical)
+def test_a_zero_rank_is_refused():
     with pytest.raises(ValueError, match="rank"):  # a zero rank is --lora-rank 0: no adapters, never a layer of rank 0
-        sb.add_lora(tiny_qwen(), rank=0, alpha=64)
+        lora.add_adapters(tiny_qwen(), rank=0, alpha=64)
 
 
 def capture_models(monkeypatch):
@@ -137,12 +136,12 @@ def test_a_lora_run_resumes_exactly_and_exports_a_merged_model(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     config = json.loads((tmp_path / "whole" / "config.json").read_text())
-    adapted = sb.add_lora(transformers.AutoModelForCausalLM.from_pretrained(config["model_path"]), 4, 64.0)
-    plumbing.run.load_adapters(adapted, ckpt / "policy" / "adapters.pt")
+    adapted = lora.add_adapters(transformers.AutoModelForCausalLM.from_pretrained(config["model_path"]), 4, 64.0)
+    lora.load_adapters(adapted, ckpt / "policy" / "adapters.pt")
     merged = transformers.AutoModelForCausalLM.from_pretrained(out)  # a model of its own
     ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(out)("Which arm? <think>")["input_ids"]])
     assert torch.allclose(logits(merged, ids), logits(adapted.eval(), ids), atol=1e-4, rtol=0)
-    assert not torch.allclose(logits(merged, ids), logits(sb.adapters_off(adapted).__enter__(), ids), atol=1e-4)
+    assert not torch.allclose(logits(merged, ids), logits(lora.adapters_off(adapted).__enter__(), ids), atol=1e-4)
 
 
 def test_a_lora_checkpoint_needs_the_same_rank(tmp_path):

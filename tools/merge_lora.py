@@ -11,7 +11,6 @@ per adapted layer, in float32.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,8 @@ def main(argv=None) -> None:
     ap.add_argument("checkpoint", type=Path, help="a LoRA run's checkpoints/step-NNNNNN")
     ap.add_argument("out", type=Path, help="where the merged model and its tokenizer go")
     a = ap.parse_args(argv)
-    from plumbing.run import ADAPTERS, load_adapters
+    from plumbing.flags import fail
+    from plumbing.lora import ADAPTERS, add_adapters, load_adapters, merged_state_dict
 
     adapters, config_path = a.checkpoint / "policy" / ADAPTERS, a.checkpoint.parent.parent / "config.json"
     if not adapters.exists() or not config_path.exists():
@@ -34,12 +34,14 @@ def main(argv=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    script = importlib.import_module(f"starpo_{config['task']}")  # its add_lora and merged_state_dict
     load = lambda: AutoModelForCausalLM.from_pretrained(config["model_path"], dtype=torch.float32)
-    adapted = script.add_lora(load(), config["lora_rank"], config["lora_alpha"])
-    load_adapters(adapted, adapters, "checkpoint")
+    adapted = add_adapters(load(), config["lora_rank"], config["lora_alpha"])
+    try:
+        load_adapters(adapted, adapters)
+    except ValueError as e:
+        fail("checkpoint", str(e))
     merged = load()
-    merged.load_state_dict(script.merged_state_dict(adapted))
+    merged.load_state_dict(merged_state_dict(adapted))
     merged.save_pretrained(a.out)
     AutoTokenizer.from_pretrained(a.checkpoint / "policy").save_pretrained(a.out)
     print(f"merged {a.checkpoint} (LoRA rank {config['lora_rank']}) into {config['model_path']}: {a.out}")
