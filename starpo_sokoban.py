@@ -46,6 +46,7 @@ from typing import Literal, Optional
 from plumbing import flags  # torch-free: `--help` is answered before torch loads (see flags.answer_help below)
 
 
+# Copied fields from starpo_bandit.Args except estimator, max_tokens
 @dataclass
 class Args:
     # ---- the few that matter ----
@@ -56,7 +57,7 @@ class Args:
     algo: Literal["starpo", "starpo-s", "starpo-s2"] = "starpo-s"
     """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3. starpo-s2: starpo-s with RAGEN-2's filter (top-p 0.9 of the reward-std mass, zero-std groups dropped)"""
     estimator: Literal["gae", "grpo", "turn-grpo", "bi-level-gae"] = "gae"
-    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn; bi-level-gae = RAGEN's turn-level GAE (--high-level-gamma between turns), then token-level within each turn"""
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn; bi-level-gae = RAGEN's turn-level GAE (HIGH_LEVEL_GAMMA between turns), then token-level within each turn"""
     seed: int = 0
     """random seed (training seeds, sampling, shuffling)"""
     output_dir: Optional[str] = None
@@ -81,7 +82,7 @@ class Args:
     max_context_turns: Optional[int] = None
     """show the model only the first prompt plus the last k >= 1 turns (each turn becomes its own training row); default: the full history"""
     rubric_weights: str = ""
-    """change RUBRIC's weights, e.g. 'format_penalty=0.1,format_reward=0.5' (weight 0 = log only)"""
+    """change RUBRIC's weights by name, e.g. 'env_reward=0,format_reward=1' (weight 0 = log only)"""
     # ---- algorithm ----
     n_groups: int = 8
     """groups (distinct initial states) per step"""
@@ -91,26 +92,8 @@ class Args:
     """which groups to train on (RAGEN's rollout filter): top_k the --keep-ratio share with the largest statistic; top_p the fewest holding --keep-ratio of its total (RAGEN-2); min_p those >= --keep-ratio x the largest; top_k_abs --keep-ratio groups"""
     keep_ratio: float = 0.25
     """the filter's value: a fraction in (0, 1] (top_k, top_p, min_p) or a number of groups (top_k_abs)"""
-    filter_stat: Literal["std", "var"] = "std"
-    """the statistic each group is ranked by: the sample std (ddof 1) of its episode scores (RAGEN's code) or their variance"""
-    filter_prob_mode: Literal["linear", "softmax"] = "linear"
-    """top_p: the mass is the statistic itself (linear) or its softmax"""
-    filter_include_zero: bool = True
-    """let groups whose statistic is 0 be kept (RAGEN-2 drops them: they carry no signal)"""
-    filter_eps: float = 0.01
-    """top_p linear: keep nothing when the statistic's total is under eps / --keep-ratio (RAGEN's selection_eps)"""
-    filter_loss_scaling: Literal["none", "linear", "sqrt"] = "none"
-    """scale the advantages by the kept share of groups (linear) or its square root"""
     kl_coef: float = 0.0
     """weight of the KL-to-reference loss"""
-    kl_kind: Literal["k1", "abs", "k2", "k3"] = "k1"
-    """KL estimator"""
-    clip_low: float = 0.2
-    """PPO clip below 1"""
-    clip_high: float = 0.28
-    """PPO clip above 1"""
-    dual_clip: float = 3.0
-    """cap on the loss of negative-advantage tokens, > 1; 0 turns it off"""
     entropy_coef: float = 0.001
     """entropy bonus weight"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
@@ -120,29 +103,21 @@ class Args:
     norm_adv_by_std: bool = True
     """grpo: divide by the group std (off = Dr. GRPO)"""
     gamma: float = 1.0
-    """discount: gae per token, turn-grpo per turn"""
-    lam: float = 1.0
-    """gae lambda"""
-    high_level_gamma: float = 0.95
-    """bi-level-gae: the discount between turns"""
+    """discount: gae per token (multi-turn: turn-grpo per turn)"""
     mask_truncated: bool = False
-    """do not train on trajectories with a reply cut at --max-tokens (their reward still counts in the group statistics)"""
+    """do not train on episodes with a reply cut at --max-tokens (their reward still counts in the group statistics)"""
     lr: float = 1e-6
     """actor learning rate"""
     critic_lr: float = 1e-5
     """critic learning rate"""
-    weight_decay: float = 0.01
-    """AdamW weight decay"""
     ppo_epochs: int = 1
     """passes over each batch"""
     mini_batch_size: int = 32
-    """training rows (trajectories, or turns with --max-context-turns) per optimizer step"""
+    """training rows per optimizer step (a row: an episode, or with --max-context-turns one turn of it)"""
     micro_batch_size: int = 32
     """training rows per forward/backward (gradient accumulation; lower it if memory runs out)"""
     lora_rank: int = 0
     """LoRA: train rank-r adapters on every linear layer of the decoder instead of all weights (the critic gets its own); 0 = full fine-tuning"""
-    lora_alpha: float = 64.0
-    """LoRA: the adapters' scale is alpha / rank (RAGEN's alpha: 64)"""
     gradient_checkpointing: bool = False
     """keep only each layer's input for the backward pass and recompute the rest: less activation memory, more update time (bench/memory_plan.py)"""
     warmup_steps: int = 0
@@ -153,21 +128,15 @@ class Args:
     max_tokens: int = 400
     """max new tokens per turn"""
     max_model_len: int = 3600
-    """longest sequence (prompt + all turns) the model may see"""
-    temperature: float = 1.0
-    """sampling temperature for training rollouts"""
+    """longest sequence the model may see (the prompt, and every turn's reply and feedback)"""
     request_seeds: bool = False
     """each episode samples from its own seed (its environment seed, member and turn), so its replies do not depend on which process plays it or on what shares its batch; on whenever torchrun starts several processes"""
     top_p: float = 1.0
     """nucleus sampling for training rollouts"""
-    val_temperature: float = 0.5
-    """sampling temperature for evaluation"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """bf16: the update under bf16 autocast (float32 master weights) and, on a CPU, replies sampled by a bf16 copy of the policy, their log-probs recomputed by the update; auto = bf16 on CUDA, fp32 on a CPU (where bf16 measured no faster over real training)"""
     vllm_gpu_memory_utilization: float = 0.4
     """vllm backend: fraction of the whole GPU for weights + KV cache (leave room for training)"""
-    vllm_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """vllm backend: the engine's weights (the trainer keeps float32 master weights; each push converts)"""
     vllm_sleep: bool = False
     """vllm backend on a GPU: put the engine to sleep (weights to CPU memory, KV cache freed) during each update"""
     tis_cap: float = 0.0
@@ -191,8 +160,6 @@ class Args:
     """collapse diagnostics (RAGEN-2's prompt-reasoning mutual information) every N steps; 0 = off"""
     val_samples: int = 1
     """replies per evaluation episode; > 1 logs val/pass@k (unbiased) for k = 1, 2, 4, ... up to it"""
-    max_skipped: int = 3
-    """stop after this many steps in a row whose updates were skipped for a non-finite loss or gradient"""
     sample_every: int = 10
     """print one rollout with its rubric breakdown every N steps (0 = never)"""
     log_rollouts_every: int = 10
@@ -221,17 +188,32 @@ PRESETS = {
         eval_every=10,
     ),
 }
-# --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider.
+# --algo sets these unless you give them: StarPO is PPO with a KL term; StarPO-S filters, drops KL, clips wider;
+# starpo-s2 is StarPO-S with RAGEN-2's filter (arXiv 2604.06268), the one its guide recommends: the fewest groups
+# holding 90% of the reward-std mass, zero-std groups dropped, a step with no group left skipped. Entries that are not
+# flags are this file's: the PPO clip (low, high), the dual clip (0 = off) and whether zero-std groups may be kept.
 # Copied from starpo_bandit.ALGOS
 ALGOS = {
-    "starpo": dict(filter="none", keep_ratio=1.0, kl_coef=0.001, clip_high=0.2, dual_clip=0.0),
-    "starpo-s": dict(
-        filter="top_k", keep_ratio=0.25, filter_include_zero=True, kl_coef=0.0, clip_high=0.28, dual_clip=3.0
-    ),
-    "starpo-s2": dict(
-        filter="top_p", keep_ratio=0.9, filter_include_zero=False, kl_coef=0.0, clip_high=0.28, dual_clip=3.0
-    ),
+    "starpo": dict(filter="none", keep_ratio=1.0, kl_coef=0.001, clip=(0.2, 0.2), dual_clip=0.0, keep_zero=True),
+    "starpo-s": dict(filter="top_k", keep_ratio=0.25, kl_coef=0.0, clip=(0.2, 0.28), dual_clip=3.0, keep_zero=True),
+    "starpo-s2": dict(filter="top_p", keep_ratio=0.9, kl_coef=0.0, clip=(0.2, 0.28), dual_clip=3.0, keep_zero=False),
 }
+# What no flag changes (RAGEN's values): edit them here; config.json records them.
+# Copied from starpo_bandit.SETTINGS
+SETTINGS = dict(
+    temperature=1.0,  # sampling temperature of the training rollouts (the update divides its logits by it too)
+    val_temperature=0.5,  # sampling temperature at evaluation
+    lam=1.0,  # GAE's lambda (--gamma is the discount)
+    kl_kind="k1",  # the KL estimator when --kl-coef > 0: k1, abs, k2 or k3 (common.kl_penalty)
+    weight_decay=0.01,  # AdamW's (betas 0.9, 0.999)
+    lora_alpha=64.0,  # --lora-rank r: the adapters' scale is alpha / r (RAGEN's alpha)
+    vllm_dtype="bfloat16",  # the vLLM engine's weights (the trainer keeps float32 master weights; a push casts)
+    max_skipped=3,  # stop after this many steps in a row whose updates were skipped (a non-finite loss or gradient)
+    filter_stat="std",  # RAGEN-2's filter (common.select_groups): groups ranked by their scores' std ("var")
+    filter_prob_mode="linear",  # top_p's mass: the statistic itself ("softmax": its softmax)
+    filter_eps=0.01,  # top_p: keep nothing when the statistic's total is under eps / --keep-ratio
+    filter_loss_scaling="none",  # scale the advantages by the kept share of groups ("linear") or its root ("sqrt")
+)
 
 # `python starpo_x.py --help` prints its help and exits here, before torch loads (seconds): the imports follow.
 flags.answer_help(__name__, Args, __doc__.split("\n")[0], PRESETS, ALGOS)
@@ -242,8 +224,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
 from common import agg_loss, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, select_groups, value_loss  # noqa: E402
-from plumbing import collapse, cpu, dist, engine, forward, lora, tiny, update  # noqa: E402
-from plumbing.report import episode_stats, reply_stats, rollout_record  # noqa: E402
+from plumbing import collapse, contract, cpu, dist, engine, forward, lora, tiny, update  # noqa: E402
+from plumbing.metrics import episode_stats, filter_stats, pass_stats, reply_stats  # noqa: E402
+from plumbing.report import rollout_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
 # The tiny model's build (tiny.build_tiny_model): a reading stage, then the world-model warm-up on self-play episodes
@@ -597,7 +580,7 @@ class Turn:
     answer: Optional[str]  # inside <answer>...</answer>, None if missing, repeated or unclosed
     actions: list  # the moves actually played this turn
     had_invalid: bool  # the answer had a word that is not a move, or no move at all
-    env_reward: float  # what the environment paid for this turn's moves
+    payout: float  # what the environment paid for this turn's moves (the env_reward component reads it)
     infos: list  # per move played: the environment's info (success, action_is_valid, ...) and `after`, its describe()
     before: dict = field(default_factory=dict)  # env.describe() before the turn (grid, positions: see ENVIRONMENT)
     after: dict = field(default_factory=dict)  # env.describe() after the turn: shape rewards on it here, not in rollout
@@ -609,7 +592,7 @@ class Turn:
 
 def env_reward(t: Turn) -> float:
     """Sokoban's own reward for the turn's moves: -0.1 per move, +1 / -1 box onto / off a target, +10 solved."""
-    return t.env_reward
+    return t.payout
 
 
 def format_penalty(t: Turn) -> float:
@@ -779,7 +762,7 @@ def vllm_engine(args: Args, model_path: str, device: str):
         if device == "cpu"
         else f"gpu_memory_utilization {args.vllm_gpu_memory_utilization}"
     )
-    write_line(f"vllm engine: vLLM {vllm.__version__} on {device}, {args.vllm_dtype}, {memory}, in this process")
+    write_line(f"vllm engine: vLLM {vllm.__version__} on {device}, {SETTINGS['vllm_dtype']}, {memory}, in this process")
     return llm
 
 
@@ -789,7 +772,7 @@ def vllm_engine_kwargs(args: Args, model_path: str) -> dict:
     return dict(
         model=model_path,
         tokenizer=model_path,
-        dtype=args.vllm_dtype,
+        dtype=SETTINGS["vllm_dtype"],
         seed=args.seed + dist.rank(),  # torchrun: an engine per rank (TRL's colocate pattern), each its own seed
         distributed_executor_backend="external_launcher" if dist.world() > 1 else None,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -1121,6 +1104,9 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
     return view
 
 
+HIGH_LEVEL_GAMMA = 0.95  # bi-level-gae: the discount between turns (RAGEN's high_level_gamma)
+
+
 def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: list[Row], mask, old_values):
     """(advantages, returns) on the batch's loss columns, (N, T - 1) each; returns is None without a critic.
 
@@ -1147,10 +1133,10 @@ def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: l
     if args.estimator == "bi-level-gae":  # the turn ends from the turn structure (RAGEN: "reward != 0", see common)
         ends = [[last - 1 for last in r.last_index] for r in rows]  # column of each turn's last sampled token
         advantages, returns = common.bi_level_gae(
-            token_rewards, old_values, mask, ends, args.gamma, args.lam, args.high_level_gamma
+            token_rewards, old_values, mask, ends, args.gamma, SETTINGS["lam"], HIGH_LEVEL_GAMMA
         )
         return masked_whiten(advantages, mask), returns
-    advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
+    advantages, returns = gae(token_rewards, old_values, mask, args.gamma, SETTINGS["lam"])
     return masked_whiten(advantages, mask), returns
 
 
@@ -1168,7 +1154,7 @@ class Critic(nn.Module):
 
         self.body = AutoModel.from_pretrained(path, dtype=dtype)
         if args.lora_rank:  # --lora-rank: the body gets its own adapters, the value head (below) trains whole
-            lora.add_adapters(self.body, args.lora_rank, args.lora_alpha)
+            lora.add_adapters(self.body, args.lora_rank, SETTINGS["lora_alpha"])
         if args.gradient_checkpointing:
             self.body.gradient_checkpointing_enable({"use_reentrant": False})
         self.head = nn.Linear(self.body.config.hidden_size, 1)
@@ -1196,6 +1182,31 @@ def policy_forward(model, mb: dict, temperature: float) -> tuple[torch.Tensor, t
     return logp, entropy
 
 
+# Copied from starpo_bandit.models
+def models(args: Args, model_path: str, policy_path: str, device: str, precision: str, llm) -> tuple:
+    """(policy, ref, critic, opt, critic_opt, sampler). The policy in float32 master weights (--precision bf16
+    autocasts its passes), LoRA's adapters added (--lora-rank: only they train); the KL reference (--kl-coef > 0),
+    the starting model, or under LoRA the policy itself with its adapters off; the critic (the gae estimators); AdamW
+    for each. The sampler is the policy, or on a CPU under bf16 its bf16 copy, as a bf16 vLLM engine would sample
+    (autocast's casts in every decode step cost more than they save), refreshed after each update."""
+    kw = dict(dtype=torch.float32, attn_implementation=engine.attention_implementation(device))  # CPU: GQA, no copies
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
+    policy = load(policy_path)
+    if args.lora_rank:
+        lora.add_adapters(policy, args.lora_rank, SETTINGS["lora_alpha"])
+    if args.gradient_checkpointing:  # each layer keeps its input; the backward pass recomputes the rest
+        policy.gradient_checkpointing_enable({"use_reentrant": False})
+    ref = (policy if args.lora_rank else load(model_path).eval()) if args.kl_coef > 0 else None
+    critic = Critic(model_path, torch.float32, args).to(device) if "gae" in args.estimator else None
+    trainable = lambda net: [p for p in net.parameters() if p.requires_grad]  # LoRA: the adapters (+ value head)
+    adamw = lambda net, lr: torch.optim.AdamW(trainable(net), lr=lr, weight_decay=SETTINGS["weight_decay"])
+    opt = adamw(policy, args.lr)  # AdamW's betas: (0.9, 0.999)
+    critic_opt = adamw(critic, args.critic_lr) if critic is not None else None
+    cpu_bf16 = precision == "bf16" and device == "cpu" and llm is None
+    sampler = copy.deepcopy(policy).to(torch.bfloat16).eval() if cpu_bf16 else policy
+    return policy, ref, critic, opt, critic_opt, sampler
+
+
 # Copied from starpo_bandit.old_logprobs
 @torch.no_grad()
 def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: bool, autocast) -> tuple[dict, dict]:
@@ -1217,10 +1228,10 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
         for mb, _ in update.micro_batches(batch, None, args.micro_batch_size, micro_view):  # rows of like length
             i, c = mb["idx"], mb["cols"]  # its rows, and its columns (up to its longest row)
             if recompute:
-                old_logp[i, :c] = policy_forward(policy, mb, args.temperature)[0]
+                old_logp[i, :c] = policy_forward(policy, mb, SETTINGS["temperature"])[0]
             if ref is not None:
                 with lora.adapters_off(ref):  # under LoRA the reference is the policy without its adapters
-                    ref_logp[i, :c] = policy_forward(ref, mb, args.temperature)[0]
+                    ref_logp[i, :c] = policy_forward(ref, mb, SETTINGS["temperature"])[0]
             if critic is not None:
                 old_values[i, :c] = critic(mb).float()
     computed = (recompute, ref is not None, critic is not None)
@@ -1249,16 +1260,16 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
             i, c = mb["idx"], mb["cols"]  # w: its share of the mini-batch's loss
             m = mask[i, :c]  # (b, c)
             with autocast:
-                logp, entropy = policy_forward(policy, mb, args.temperature)  # (b, c) each
+                logp, entropy = policy_forward(policy, mb, SETTINGS["temperature"])  # (b, c) each
             old = own.old(logp, i, c) if own is not None else old_logp[i, :c]  # (b, c)
             gen = batch["gen_logprobs"][i, :c]  # (b, c): the sampler's log-probs
             is_w = common.tis_weights(old, gen, args.tis_cap) if args.tis_cap else None  # (b, c), or None
-            clips = (args.clip_low, args.clip_high, args.dual_clip or None)
+            clips = (*ALGOS[args.algo]["clip"], ALGOS[args.algo]["dual_clip"] or None)  # (low, high, dual)
             pg, pg_stats = policy_loss(logp, old, advantages[i, :c], m, *clips, args.loss_agg, is_w)
             ent = agg_loss(entropy, m, args.loss_agg)
             loss = pg - args.entropy_coef * ent
             if ref is not None:
-                kl = agg_loss(kl_penalty(logp, ref_logp[i, :c], args.kl_kind), m, args.loss_agg)
+                kl = agg_loss(kl_penalty(logp, ref_logp[i, :c], SETTINGS["kl_kind"]), m, args.loss_agg)
                 loss = loss + args.kl_coef * kl
                 pg_stats["kl_loss"] = kl.item()
             if critic is not None:
@@ -1294,6 +1305,7 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
 
 def resolve_args(args: Args):
     """Check every flag and fill what depends on others. Runs before any model loads; bad input exits in one line."""
+    contract.check(Args, SETTINGS, Trajectory, Turn)  # what plumbing/ reads of this file: all here?
     device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN)
     checks = flags.common_checks(args) + [
         ("--size", args.size >= 4, "must be >= 4 (walls all round, at least a 2x2 inside)"),
@@ -1359,40 +1371,11 @@ def tiny_warmup_examples(args: Args, seed: int = 0, fixed=TINY_WARMUP_FIXED) -> 
     )
 
 
-# Copied from starpo_bandit.pass_stats
-def pass_stats(successes: list, n: int, split: str) -> dict:
-    """pass@k over groups of n consecutive episodes of one initial state: the unbiased 1 - C(n-c, k) / C(n, k)
-    (common.pass_at_k) for k = 1, 2, 4, ... up to n; pass@n is RAGEN's (any success in the group)."""
-    if n < 2:
-        return {}
-    wins = [sum(successes[i : i + n]) for i in range(0, len(successes), n)]  # c: successes per initial state
-    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n})
-    return {f"{split}/pass@{k}": statistics.mean(common.pass_at_k(n, c, k) for c in wins) for k in ks}
-
-
-# Copied from starpo_bandit.filter_stats
-def filter_stats(scores: torch.Tensor, stat: torch.Tensor, kept: list[int]) -> dict:
-    """What the filter saw and kept, under RAGEN's names (rollout_filter.py): each group's reward std, mean and max,
-    averaged over all groups and over the kept ones; how many groups were kept, and how many had a zero statistic."""
-    G, n = scores.shape
-    by = dict(std=scores.std(dim=1) if n > 1 else torch.zeros(G), mean=scores.mean(dim=1), max=scores.amax(dim=1))
-    out = {f"rollout/in_group_{k}": v.mean().item() for k, v in by.items()}  # each v: (G,)
-    out.update({f"rollout/chosen_in_group_{k}": v[kept].mean().item() for k, v in by.items() if kept})
-    return {
-        **out,
-        "rollout/zero_std_frac": (by["std"] < 1e-6).float().mean().item(),
-        "rollout/filter_kept_count": len(kept),
-        "rollout/filter_kept_ratio": len(kept) / G,
-        "rollout/filter_zero_count": int((stat.abs() <= 1e-10).sum()),
-        "rollout/empty_after_filter": int(not kept),
-    }
-
-
 def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajectory]]:
     """--val-size fixed episodes (never trained on), each played --val-samples times; the first play of each is
     returned for the rollout log."""
     seeds = [10**9 + i for i in dist.block(args.val_size) for _ in range(args.val_samples)]  # torchrun: a block each
-    trajs = dist.gather(rollout(generate, tok, seeds, args, args.val_temperature, rubric))
+    trajs = dist.gather(rollout(generate, tok, seeds, args, SETTINGS["val_temperature"], rubric))
     passes = pass_stats([t.success for t in trajs], args.val_samples, "val")
     return {**episode_stats(trajs, "val"), **passes}, trajs[:: args.val_samples]
 
@@ -1412,7 +1395,6 @@ def main(argv=None):
     args, device, model_name, backend, resume_from = resolve_args(args)
     threads, precision = cpu.setup(device, args.precision, resume_from)  # malloc, threads, precision: first
     dist.init(device)  # torchrun: join the other processes (plumbing/dist.py); nothing in one process
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     model_path = model_name
     if model_name == "tiny":
         model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(args), **TINY_BUILD))
@@ -1430,31 +1412,15 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(model_path)
     tok.pad_token = tok.pad_token or tok.eos_token
     llm = vllm_engine(args, policy_path, device) if backend == "vllm" else None  # before the optimizer state exists
-    dtype = torch.float32  # float32 master weights (and optimizer state); --precision bf16 autocasts the passes
-    kw = dict(dtype=dtype, attn_implementation=engine.attention_implementation(device))  # CPU: GQA without copies
-    load = lambda path: AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
-    policy = load(policy_path)
-    if args.lora_rank:  # only the adapters train; the KL reference is the policy with its adapters off
-        lora.add_adapters(policy, args.lora_rank, args.lora_alpha)
-    if args.gradient_checkpointing:  # each layer keeps its input; the backward pass recomputes the rest
-        policy.gradient_checkpointing_enable({"use_reentrant": False})
-    ref = (policy if args.lora_rank else load(model_path).eval()) if args.kl_coef > 0 else None
-    critic = Critic(model_path, dtype, args).to(device) if "gae" in args.estimator else None
-    trainable = lambda net: [p for p in net.parameters() if p.requires_grad]  # LoRA: the adapters (+ value head)
-    adamw = lambda net, lr: torch.optim.AdamW(trainable(net), lr=lr, weight_decay=args.weight_decay) if net else None
-    opt, critic_opt = adamw(policy, args.lr), adamw(critic, args.critic_lr)  # AdamW's betas: (0.9, 0.999)
+    policy, ref, critic, opt, critic_opt, sampler = models(args, model_path, policy_path, device, precision, llm)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
-    # bf16 on a CPU: replies come from a bf16 copy of the policy, as from a bf16 vLLM engine (autocast's casts in
-    # every decode step cost more than they save), refreshed after each update; the update recomputes their log-probs.
-    cpu_bf16 = precision == "bf16" and device == "cpu" and llm is None
-    sampler = copy.deepcopy(policy).to(torch.bfloat16).eval() if cpu_bf16 else policy
     recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric, source = flags.weighted_rubric(RUBRIC, args.preset, args.rubric_weights)
     write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__} [{source[fn.__name__]}]" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
-    config["component_weights"] = {fn.__name__: w for fn, w in rubric}  # the report titles each rubric chart
+    config.update(settings=SETTINGS, component_weights={fn.__name__: w for fn, w in rubric})  # (rubric: charts)
     run = Run(args, TASK, resume_from, policy, tok, state, config)  # a resumed run's adapters load here
     if llm is not None and args.lora_rank and resume_from:
         vllm_push_weights(llm, policy)  # the engine started from the base model
@@ -1478,7 +1444,8 @@ def main(argv=None):
         # ---- rollout: n_groups fresh seeds, each shared by group_size episodes, all played together ---------------
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in dist.block(G)]  # torchrun: this rank's block
         with run.timer("rollout"):
-            trajs = rollout(generate, tok, [s for s in group_seeds for _ in range(n)], args, args.temperature, rubric)
+            seeds = [s for s in group_seeds for _ in range(n)]  # a group's members share its seed (its start)
+            trajs = rollout(generate, tok, seeds, args, SETTINGS["temperature"], rubric)
             trajs = dist.gather(trajs)  # every rank holds all G x n episodes: the same filter and advantages
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
         record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
@@ -1490,10 +1457,9 @@ def main(argv=None):
                 record.update(collapse.first_turn_diagnostics(policy, tok, turns, thinks, run, step, autocast))
 
         # ---- filter: train only on the groups whose rewards disagree (StarPO-S: top 25%; RAGEN-2: top-p of the std) ----
-        stat = common.group_stat(scores, args.filter_stat)  # (G,)
-        kept = select_groups(
-            stat, args.filter, args.keep_ratio, args.filter_prob_mode, args.filter_include_zero, args.filter_eps
-        )
+        stat = common.group_stat(scores, SETTINGS["filter_stat"])  # (G,)
+        rules = (SETTINGS["filter_prob_mode"], ALGOS[args.algo]["keep_zero"], SETTINGS["filter_eps"])  # RAGEN-2's
+        kept = select_groups(stat, args.filter, args.keep_ratio, *rules)
         record.update(filter_stats(scores, stat, kept))
         run.log_groups(step, stat.tolist(), kept)  # groups.jsonl: the report shows each step's groups
         skipped = 0
@@ -1512,7 +1478,8 @@ def main(argv=None):
 
             # ---- advantages: grpo, turn-grpo, gae or bi-level-gae (see advantages_of), scaled if asked ------------
             advantages, returns = advantages_of(args, scores[kept], kept_trajs, rows, mask, old["old_values"])
-            advantages = advantages * common.filter_loss_scale(len(kept), G, args.filter_loss_scaling)  # (N, T - 1)
+            shrink = common.filter_loss_scale(len(kept), G, SETTINGS["filter_loss_scaling"])  # 1 unless set
+            advantages = advantages * shrink  # (N, T - 1)
 
             # ---- PPO update --------------------------------------------------------------------------------------
             with run.timer("update"):

@@ -70,19 +70,19 @@ def grpo_config(a: fl.Args) -> dict:
         max_steps=a.steps,
         shuffle_dataset=False,
         max_completion_length=a.max_model_len,  # a completion is the whole episode after the first prompt
-        temperature=a.temperature,
+        temperature=fl.SETTINGS["temperature"],
         top_p=a.top_p,
         top_k=0,
         use_vllm=False,
         beta=0.0,
-        epsilon=a.clip_low,
-        epsilon_high=a.clip_high,
-        delta=a.dual_clip or None,
+        epsilon=fl.ALGOS[a.algo]["clip"][0],
+        epsilon_high=fl.ALGOS[a.algo]["clip"][1],
+        delta=fl.ALGOS[a.algo]["dual_clip"] or None,
         loss_type="grpo",  # per-episode token mean, then the batch mean: the script's seq-mean-token-mean
         scale_rewards="group",
         entropy_coef=a.entropy_coef,
         mask_truncated_completions=False,
-        **vs_trl.trl_plain_cpu(a.lr, a.weight_decay, 1.0, a.seed),  # the scripts clip gradients at 1.0,
+        **vs_trl.trl_plain_cpu(a.lr, fl.SETTINGS["weight_decay"], 1.0, a.seed),  # the scripts clip gradients at 1.0,
     )
 
 
@@ -156,7 +156,7 @@ def trl_worker(config_path: str) -> None:
         was_training = model.training
         model.eval()
         seeds = [seed_of[json.dumps(p)] for p in prompts]
-        trajs = fl.rollout(model_generate(model, tok, a), tok, seeds, a, a.temperature, rubric)
+        trajs = fl.rollout(model_generate(model, tok, a), tok, seeds, a, fl.SETTINGS["temperature"], rubric)
         model.train(was_training)
         gen_s.append(time.time() - t0)
         return {
@@ -295,8 +295,9 @@ def main(argv=None):
             "settings": {
                 k: getattr(a, k)
                 for k in ("steps", "n_groups", "group_size", "max_tokens", "max_turns", "max_actions_per_turn")
-                + ("temperature", "top_p", "lr", "val_size", "val_temperature", "seed", "slippery")
-            },
+                + ("top_p", "lr", "val_size", "seed", "slippery")
+            }
+            | {k: fl.SETTINGS[k] for k in ("temperature", "val_temperature")},
             "starpo_flags": flags,
             "grpo_config": grpo_config(a) if not o.skip_trl else None,
             "eval_initial": evals["initial"],

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
         return profiles[name]
 
     def rollout(generate, tok, seeds, args, temperature, rubric):
-        if temperature != args.temperature:  # an evaluation (val_temperature): not profiled
+        if temperature != fl.SETTINGS["temperature"]:  # an evaluation (val_temperature): not profiled
             return real_rollout(generate, tok, seeds, args, temperature, rubric)
         faults, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         with profiled("rollout", len(rollouts) == a.rollouts - 1):

@@ -90,7 +90,7 @@ def bandit_reward(completions, seed, **kwargs) -> list[float]:
         think, answer = sb.parse_reply(text)
         _, reward, _, info = env.step(answer if answer is not None else "")
         total, _ = sb.score_turn(
-            sb.Turn(text=text, think=think, answer=answer, env_reward=reward, info=info), sb.RUBRIC
+            sb.Turn(text=text, think=think, answer=answer, payout=reward, info=info), sb.RUBRIC
         )
         out.append(total)
     return out
@@ -104,7 +104,6 @@ def matched_settings(
     lr: float = 1e-4,
     val_size: int = 256,
     seed: int = 0,
-    temperature: float = 1.0,
 ) -> dict:
     """The two sides' settings, built from one set of numbers.
 
@@ -134,16 +133,10 @@ def matched_settings(
         str(max_tokens),
         "--lr",
         str(lr),
-        "--temperature",
-        str(temperature),
         "--top-p",
         "1.0",
         "--kl-coef",
         "0",
-        "--clip-low",
-        "0.2",
-        "--clip-high",
-        "0.28",
         "--mini-batch-size",
         str(completions),
         "--micro-batch-size",
@@ -174,7 +167,7 @@ def matched_settings(
         shuffle_dataset=False,
         # generation (transformers' generate, no vLLM)
         max_completion_length=max_tokens,
-        temperature=temperature,
+        temperature=sb.SETTINGS["temperature"],  # the script's rollout temperature (1.0)
         top_p=1.0,
         top_k=0,
         use_vllm=False,
@@ -607,9 +600,9 @@ def main(argv=None):
                 "completions_per_step": settings["completions_per_step"],
                 "max_tokens": a.max_tokens,
                 "lr": a.lr,
-                "temperature": 1.0,
+                "temperature": sb.SETTINGS["temperature"],
                 "val_size": a.val_size,
-                "val_temperature": 0.5,
+                "val_temperature": sb.SETTINGS["val_temperature"],
                 "seed": a.seed,
             },
             "trl_version": trl_version,

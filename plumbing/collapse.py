@@ -55,7 +55,7 @@ def first_turn_diagnostics(policy, tok, first_turns: list, thinks: list, run, st
     thinks: every turn's think text in the batch (None: no well-formed think), for collapse/valid_thinking_rate.
     Up to 8 groups' prompts (each followed by "<think>", as RAGEN builds X) and up to 64 of their members'
     reasonings are drawn with the step's own random stream, so a resumed run draws the same ones. The z-score's
-    running std continues from the run's history (run.history); the scoring temperature is the rollouts' (--temperature).
+    running std continues from the run's history (run.history); the scoring temperature is the rollouts' (SETTINGS).
     """
     texts = {}  # token id -> text, decoded once for the whole batch
     zs = [think_ids(tok, reply, texts) for _, _, reply in first_turns]  # the reasoning Z of each episode's first turn
@@ -77,7 +77,7 @@ def first_turn_diagnostics(policy, tok, first_turns: list, thinks: list, run, st
     cols = [groups.index(first_turns[i][0]) for i in rows]  # (R,): each reasoning's own prompt
     with torch.no_grad(), autocast:
         cross_mean, cross_sum = forward.cross_logprobs(
-            policy, prompts, [zs[i] for i in rows], run.args.temperature
+            policy, prompts, [zs[i] for i in rows], run.settings["temperature"]
         )  # (R, N)
     last = next((h for h in reversed(run.history) if "collapse/marginal_std_ema" in h), None)  # the running std so far
     ema = {k: last[f"collapse/{k}".replace("std", "std_ema")] for k in ("marginal_std", "marginal_std_seq") if last}

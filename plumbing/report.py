@@ -33,7 +33,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ def rollout_record(t, step: int, split: str, task: str) -> dict:
             world=turn.world,
             answer=turn.answer,
             actions=turn.actions,
-            env_reward=turn.env_reward,
+            env_reward=turn.payout,
             score=turn.reward,
             rubric=turn.parts,
         )
@@ -78,7 +77,7 @@ def rollout_record(t, step: int, split: str, task: str) -> dict:
         seed=t.seed,
         success=bool(t.success),
         score=t.score,
-        env_reward=sum(turn.env_reward for turn in t.turns),
+        env_reward=sum(turn.payout for turn in t.turns),
         turns=turns,
         final_view=final,
     )
@@ -95,7 +94,7 @@ def single_turn_record(t, step: int, split: str, task: str) -> dict:
         think=s.think,
         answer=s.answer,
         actions=[s.answer.strip()] if s.info["action_is_valid"] else [],
-        env_reward=s.env_reward,
+        env_reward=s.payout,
         score=t.score,
         rubric=t.parts,
     )
@@ -106,46 +105,10 @@ def single_turn_record(t, step: int, split: str, task: str) -> dict:
         seed=t.seed,
         success=bool(s.info["success"]),
         score=t.score,
-        env_reward=s.env_reward,
+        env_reward=s.payout,
         turns=[turn],
         final_view=None,
     )
-
-
-def episode_stats(trajs: list, split: str) -> dict:
-    """What a multi-turn script's episodes (Trajectory objects) did: the same keys for train/ and val/, the README's
-    glossary defines them. The report draws these curves."""
-    turns = [turn for t in trajs for turn in t.turns]
-    played = [info for turn in turns for info in turn.infos]
-    scores = [t.score for t in trajs]
-    return {
-        f"{split}/success": statistics.mean(t.success for t in trajs),
-        f"{split}/reward": statistics.mean(scores),
-        f"{split}/reward_min": min(scores),
-        f"{split}/reward_max": max(scores),
-        f"{split}/action_is_valid": statistics.mean(not turn.had_invalid for turn in turns)
-        if turns
-        else 0.0,  # per turn
-        f"{split}/action_is_effective": statistics.mean(i["action_is_effective"] for i in played)
-        if played
-        else 0.0,  # per move
-        f"{split}/num_actions": statistics.mean(t.num_actions for t in trajs),
-        f"{split}/num_turns": statistics.mean(len(t.turns) for t in trajs),
-        f"{split}/context_overflow": sum(t.context_overflow for t in trajs),
-    }
-
-
-def reply_stats(trajs: list) -> dict:
-    """Reply lengths (per reply, i.e. per turn) and the rubric's components (summed per episode, averaged)."""
-    replies = [t.turn_last_index[j] - t.turn_start[j] + 1 for t in trajs for j in range(len(t.turns))]
-    thinks = [len(turn.think or "") for t in trajs for turn in t.turns]
-    return {
-        "rollout/truncated_frac": statistics.mean(t.truncated for t in trajs),
-        "response_length/mean": statistics.mean(replies) if replies else 0.0,
-        "think_length/mean": statistics.mean(thinks) if thinks else 0.0,
-        "sequence_length/mean": statistics.mean(len(t.ids) for t in trajs),
-        **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
-    }
 
 
 ########################################################################################################################

@@ -72,6 +72,7 @@ class Metrics:
 def prepare_run_dir(out_dir: Path, resume: bool, overwrite: bool) -> Path | None:
     """The checkpoint to resume from, or None for a fresh run. Refuses to mix two runs in one directory."""
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     if not dist.is_main():  # torchrun: rank 0 checks and clears the folder; the others only find the checkpoint
         return latest_checkpoint(out_dir) if resume else None
     has_run = (out_dir / "metrics.jsonl").exists() or (out_dir / "checkpoints").exists()
@@ -215,6 +216,7 @@ class Run:
         precision as resolved replace the flags' "auto"; any other entry must not share a flag's name, or --resume
         would read it back as that flag)."""
         self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
+        self.settings = config["settings"]  # the script's SETTINGS: what no flag changes
         if policy is not None:
             write_line(parameter_line(policy, state.get("critic")))
         if config.get("backend") == "vllm":  # vLLM's CPU kernels run in this process on threads of their own choosing
@@ -289,7 +291,14 @@ class Run:
         """One line of groups.jsonl: what the filter saw (every group's statistic) and kept, with its settings."""
         a = self.args
         self.groups.write(
-            dict(step=step, stat=a.filter_stat, strategy=a.filter, value=a.keep_ratio, values=values, kept=kept)
+            dict(
+                step=step,
+                stat=self.settings["filter_stat"],
+                strategy=a.filter,
+                value=a.keep_ratio,
+                values=values,
+                kept=kept,
+            )
         )
 
     def log_collapse(self, step: int, row: dict) -> None:
@@ -362,11 +371,11 @@ class Run:
         )
         if dist.any_rank(bool(self.stop.requested)) and not self.stop.requested:  # torchrun: one signalled, all stop
             self.stop.requested = "SIGTERM"
-        if self.skipped_in_a_row >= args.max_skipped:
+        if self.skipped_in_a_row >= self.settings["max_skipped"]:
             fail(
-                "--max-skipped",
-                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient; stopped "
-                f"without saving. Last good checkpoint: {latest_checkpoint(self.out_dir) or 'none'}",
+                "stopped",
+                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient (SETTINGS['max_skipped']); "
+                f"nothing saved. Last good checkpoint: {latest_checkpoint(self.out_dir) or 'none'}",
             )
         if args.empty_stop_steps and self.empty_in_a_row >= args.empty_stop_steps:  # RAGEN-2's early stop
             self.stopped_at = step

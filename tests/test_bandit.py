@@ -318,7 +318,6 @@ def run_script(*flags, timeout=900, env_extra=None):
         (["--backend", "vllm"], "--backend"),
         (["--model", "no-such-org/no-such-model"], "--model"),
         (["--lr", "-1"], "--lr"),
-        (["--dual-clip", "0.5"], "--dual-clip"),
         (["--steps", "ten"], "--steps"),
         (["--high-arm-name", "phoenix"], "--high-arm-name"),
         (["--no-such-flag"], "--no-such-flag"),

@@ -3,6 +3,7 @@ hostile model output, bad input, safety."""
 
 import dataclasses
 import json
+import unittest.mock
 import math
 import re
 import signal
@@ -191,11 +192,12 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
         return loss * float("nan"), stats
 
     monkeypatch.setattr(sb, "policy_loss", nan_loss)
+    monkeypatch.setitem(sb.SETTINGS, "max_skipped", 2)
     with pytest.raises(SystemExit) as e:
-        in_process(tmp_path, "--steps", "5", "--max-skipped", "2", "--save-every", "1")
+        in_process(tmp_path, "--steps", "5", "--save-every", "1")
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--max-skipped" in err and "non-finite" in err
+    assert "SETTINGS['max_skipped']" in err and "non-finite" in err
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["actor/skipped_updates"] >= 1 for r in rows[1:])
     # the skipped updates never touched the weights: the checkpoint still equals the initial model
@@ -231,22 +233,21 @@ def test_empty_replies(tmp_path, monkeypatch):
 
 
 def weights_after(tmp_path, *flags):
-    in_process(
-        tmp_path,
-        "--steps",
-        "1",
-        "--weight-decay",
-        "0",
-        "--entropy-coef",
-        "0",
-        "--max-tokens",
-        "3",
-        "--estimator",
-        "grpo",
-        "--keep-ratio",
-        "1",
-        *flags,
-    )
+    with unittest.mock.patch.dict(sb.SETTINGS, weight_decay=0.0):  # AdamW's decay would move untrained weights
+        in_process(
+            tmp_path,
+            "--steps",
+            "1",
+            "--entropy-coef",
+            "0",
+            "--max-tokens",
+            "3",
+            "--estimator",
+            "grpo",
+            "--keep-ratio",
+            "1",
+            *flags,
+        )
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(json.loads((tmp_path / "config.json").read_text())["model_path"])

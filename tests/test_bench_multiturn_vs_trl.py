@@ -22,13 +22,9 @@ def test_trl_settings_are_the_scripts(tmp_path):
     cfg = mt.grpo_config(a)
     assert cfg["num_generations"] == a.group_size and cfg["per_device_train_batch_size"] == a.n_groups * a.group_size
     assert (cfg["steps_per_generation"], cfg["num_iterations"], cfg["gradient_accumulation_steps"]) == (1, 1, 1)
-    assert (cfg["temperature"], cfg["top_p"], cfg["top_k"]) == (a.temperature, a.top_p, 0)
-    assert (cfg["learning_rate"], cfg["epsilon"], cfg["epsilon_high"], cfg["beta"]) == (
-        a.lr,
-        a.clip_low,
-        a.clip_high,
-        0,
-    )
+    assert (cfg["temperature"], cfg["top_p"], cfg["top_k"]) == (fl.SETTINGS["temperature"], a.top_p, 0)
+    clip = fl.ALGOS[a.algo]["clip"]
+    assert (cfg["learning_rate"], cfg["epsilon"], cfg["epsilon_high"], cfg["beta"]) == (a.lr, *clip, 0)
     assert (cfg["max_steps"], cfg["shuffle_dataset"], cfg["use_vllm"]) == (7, False, False)
     seeds = mt.train_seeds(a)
     assert len(seeds) == len(set(seeds)) == 7 * a.n_groups

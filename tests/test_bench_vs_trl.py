@@ -131,14 +131,14 @@ def test_matched_settings_agree():
     assert g["num_generations"] == a.group_size == 4
     assert g["max_completion_length"] == a.max_tokens == 64
     assert g["learning_rate"] == a.lr == 1e-4
-    assert g["temperature"] == a.temperature == 1.0 and g["top_p"] == a.top_p == 1.0 and g["top_k"] == 0
+    assert g["temperature"] == sb.SETTINGS["temperature"] == 1.0 and g["top_p"] == a.top_p == 1.0 and g["top_k"] == 0
     assert g["beta"] == a.kl_coef == 0.0
-    assert g["epsilon"] == a.clip_low == 0.2 and g["epsilon_high"] == a.clip_high == 0.28
+    assert (g["epsilon"], g["epsilon_high"], g["delta"]) == (*sb.ALGOS[a.algo]["clip"], sb.ALGOS[a.algo]["dual_clip"])
     assert g["max_steps"] == a.steps == 7 and a.eval_every == 7 and a.val_size == 32 and g["seed"] == a.seed == 3
     assert a.algo == "starpo-s" and a.estimator == "grpo" and a.norm_adv_by_std and g["scale_rewards"] == "group"
     assert a.loss_agg == "token-mean" and g["loss_type"] == "dapo"
     assert a.mini_batch_size >= 32 and a.micro_batch_size >= 32  # one optimizer step per training step
-    assert g["entropy_coef"] == a.entropy_coef and g["weight_decay"] == a.weight_decay
+    assert g["entropy_coef"] == a.entropy_coef and g["weight_decay"] == sb.SETTINGS["weight_decay"]
     assert g["max_grad_norm"] == 1.0 and g["lr_scheduler_type"] == "constant"
     assert g["use_vllm"] is False and g["shuffle_dataset"] is False and g["bf16"] is False
 

@@ -4,6 +4,7 @@ accounting (mask, log-prob consistency, no gradient through observations), flags
 import contextlib
 import copy
 import json
+import unittest.mock
 import math
 import os
 import shutil
@@ -45,7 +46,7 @@ def test_the_tiny_preset_beats_the_default_algorithm_and_a_typed_one_beats_the_p
     Moves line off (RAGEN's observation)."""
     tiny = args_for()
     assert (tiny.keep_ratio, tiny.algo, tiny.outcomes, tiny.estimator) == (0.5, "starpo-s", True, "turn-grpo")
-    assert tiny.kl_coef == 0.0 and tiny.clip_high == 0.28  # the rest of StarPO-S still applies
+    assert tiny.kl_coef == 0.0 and tiny.filter == "top_k"  # the rest of StarPO-S still applies
     assert args_for("--algo", "starpo-s").keep_ratio == 0.25
     assert (args_for("--algo", "starpo").keep_ratio, args_for("--algo", "starpo").kl_coef) == (1.0, 0.001)
     assert args_for("--algo", "starpo", "--keep-ratio", "0.75").keep_ratio == 0.75
@@ -313,7 +314,7 @@ def test_moves_beyond_the_budget_are_discarded():
 def test_reward_on_the_last_allowed_action_counts():
     # the goal is 3 moves away and the budget is 3: the third move, the last allowed one, pays
     t, _ = play(["Right || Right", "Right || Down"], CORRIDOR, "--max-actions-per-traj", "3")
-    assert t.success and t.turns[1].actions == ["Right"] and t.turns[1].env_reward == 1.0 and t.score == 1.0
+    assert t.success and t.turns[1].actions == ["Right"] and t.turns[1].payout == 1.0 and t.score == 1.0
     # ... also on the last allowed turn
     t, _ = play(["Right", "Right", "Right"], CORRIDOR, "--max-turns", "3")
     assert t.success and t.score == 1.0 and len(t.turns) == 3
@@ -747,7 +748,6 @@ def read(path):
         (["--max-turns", "0"], "--max-turns"),
         (["--max-actions-per-turn", "0"], "--max-actions-per-turn"),
         (["--max-actions-per-traj", "0"], "--max-actions-per-traj"),
-        (["--frozen-prob", "1.5"], "--frozen-prob"),
         (["--estimator", "ppo"], "--estimator"),
         (["--resume"], "--resume"),  # nothing to resume in an empty folder
     ],
@@ -881,22 +881,21 @@ IN_PROCESS = ["--val-size", "2", "--n-groups", "2", "--group-size", "4", "--eval
 
 
 def weights_after(tmp_path, *flags):
-    fl.main(
-        [
-            *IN_PROCESS,
-            "--output-dir",
-            str(tmp_path),
-            "--steps",
-            "1",
-            "--weight-decay",
-            "0",
-            "--entropy-coef",
-            "0",
-            "--keep-ratio",
-            "1",
-            *flags,
-        ]
-    )
+    with unittest.mock.patch.dict(fl.SETTINGS, weight_decay=0.0):  # AdamW's decay would move untrained weights
+        fl.main(
+            [
+                *IN_PROCESS,
+                "--output-dir",
+                str(tmp_path),
+                "--steps",
+                "1",
+                "--entropy-coef",
+                "0",
+                "--keep-ratio",
+                "1",
+                *flags,
+            ]
+        )
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(
@@ -930,10 +929,11 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
         return loss * float("nan"), stats
 
     monkeypatch.setattr(fl, "policy_loss", nan_loss)
+    monkeypatch.setitem(fl.SETTINGS, "max_skipped", 2)
     with pytest.raises(SystemExit) as e:
-        fl.main([*IN_PROCESS, "--output-dir", str(tmp_path), "--steps", "3", "--max-skipped", "2", "--save-every", "1"])
+        fl.main([*IN_PROCESS, "--output-dir", str(tmp_path), "--steps", "3", "--save-every", "1"])
     assert e.value.code == 2
-    assert "--max-skipped" in capsys.readouterr().err
+    assert "SETTINGS['max_skipped']" in capsys.readouterr().err
     rows = read(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["actor/skipped_updates"] >= 1 for r in rows[1:])
     assert plumbing.run.latest_checkpoint(tmp_path).name == "step-000001"  # nothing saved after the second bad step

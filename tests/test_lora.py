@@ -92,7 +92,7 @@ def test_a_lora_run_trains_only_adapters_and_the_value_head(tmp_path, monkeypatc
     out = capsys.readouterr().out
     assert re.search(r"parameters: policy [\d,]+ trained of [\d,]+, critic [\d,]+ of [\d,]+ \(LoRA adapters\)", out)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["lora_rank"] == 4 and config["lora_alpha"] == 64.0
+    assert config["lora_rank"] == 4 and config["settings"]["lora_alpha"] == 64.0
     base = transformers.AutoModelForCausalLM.from_pretrained(config["model_path"]).state_dict()
     policy, critic = seen["policy"].state_dict(), seen["critic"].state_dict()
     moved = lambda sd, prefix="": {

@@ -8,6 +8,7 @@ bandit logs the subset that applies to a one-turn task, with the same meaning.
 import pytest
 
 import plumbing.flags
+from plumbing import metrics
 import starpo_bandit as sb
 import starpo_frozenlake as fl
 import starpo_sokoban as ss
@@ -29,7 +30,7 @@ def paper_rubric(script):
 def multi_turn(script, seeds=(1, 2, 3)):
     args = script.Args(max_turns=3)
     trajs = script.rollout(generate, FakeTok(), list(seeds), args, 1.0, paper_rubric(script))
-    return {**script.episode_stats(trajs, "train"), **script.reply_stats(trajs)}, trajs
+    return {**metrics.episode_stats(trajs, "train"), **metrics.reply_stats(trajs)}, trajs
 
 
 def test_multi_turn_scripts_log_the_same_keys_with_the_same_values():
@@ -55,13 +56,13 @@ def test_train_and_val_splits_share_their_keys():
     for script in (fl, ss):
         args = script.Args(max_turns=3, val_size=2)
         val, _ = script.evaluate(generate, FakeTok(), args, paper_rubric(script))
-        train = script.episode_stats(multi_turn(script)[1], "train")
+        train = metrics.episode_stats(multi_turn(script)[1], "train")
         assert {k.split("/", 1)[1] for k in val} == {k.split("/", 1)[1] for k in train}, script.__name__
 
 
 def test_the_bandit_logs_the_same_keys_where_they_apply():
     trajs = sb.rollout(generate, FakeTok(), [1, 2], dict(), 1.0, 10**6, sb.RUBRIC)
-    a = {**sb.episode_stats(trajs, "train"), **sb.reply_stats(trajs)}
+    a = {**metrics.one_turn_episode_stats(trajs, "train"), **metrics.one_turn_reply_stats(trajs)}
     b, _ = multi_turn(fl)
     missing = set(a) - set(b)
     assert missing <= {"rubric/invalid_answer_penalty"}, missing  # its own rubric component, nothing else new
@@ -69,18 +70,18 @@ def test_the_bandit_logs_the_same_keys_where_they_apply():
     assert a["train/action_is_valid"] == 0.0 and a["think_length/mean"] == len("same words")
 
 
-def test_filter_stats_are_one_function_everywhere():
+def test_filter_stats():
     import torch
 
     # four groups of two: std (ddof 1) 0, 0.5, 1, 0; the filter kept groups 1 and 2
     scores = torch.tensor([[1.0, 1.0], [0.0, 1.0 / 2**0.5], [0.0, 2**0.5], [3.0, 3.0]], dtype=torch.float64)
     stat = scores.std(dim=1)
-    out = sb.filter_stats(scores, stat, [1, 2])
-    assert out == fl.filter_stats(scores, stat, [1, 2]) == ss.filter_stats(scores, stat, [1, 2])
+    out = metrics.filter_stats(scores, stat, [1, 2])
+    assert sb.filter_stats is fl.filter_stats is ss.filter_stats is metrics.filter_stats  # one definition
     assert out["rollout/zero_std_frac"] == 0.5 and out["rollout/chosen_in_group_std"] == 0.75
     assert out["rollout/filter_kept_count"] == 2 and out["rollout/filter_kept_ratio"] == 0.5
     assert out["rollout/filter_zero_count"] == 2 and out["rollout/empty_after_filter"] == 0
     assert out["rollout/in_group_max"] == (1 + 2**-0.5 + 2**0.5 + 3) / 4
-    empty = sb.filter_stats(scores, stat, [])
+    empty = metrics.filter_stats(scores, stat, [])
     assert empty["rollout/empty_after_filter"] == 1 and "rollout/chosen_in_group_std" not in empty
     assert plumbing.flags.given_fields(fl.Args(max_turns=3)) == {"max_turns"}

@@ -53,7 +53,7 @@ def test_rollout_numbers_the_members_of_a_group():
 
     kw = dict(payout_draw="member", pairs=())
     trajs = sb.rollout(generate, FakeTok(), [5] * 16, kw, 1.0, 10**6, sb.RUBRIC)
-    assert [t.turn.env_reward for t in trajs] == payouts("member", 5)[1]
+    assert [t.turn.payout for t in trajs] == payouts("member", 5)[1]
 
 
 def test_ragen_arm_pairs_train_on_twelve_and_evaluate_on_eight_held_out():
@@ -79,12 +79,12 @@ def test_ragen_arm_pairs_train_on_twelve_and_evaluate_on_eight_held_out():
 @pytest.mark.parametrize("script", [sb, fl, ss])
 def test_starpo_s_is_the_papers_filter_and_starpo_s2_is_ragen2s(script):
     s, s2 = script.ALGOS["starpo-s"], script.ALGOS["starpo-s2"]
-    assert (s["filter"], s["keep_ratio"], s["filter_include_zero"]) == ("top_k", 0.25, True)
-    assert (s2["filter"], s2["keep_ratio"], s2["filter_include_zero"]) == ("top_p", 0.9, False)
+    assert (s["filter"], s["keep_ratio"], s["keep_zero"]) == ("top_k", 0.25, True)
+    assert (s2["filter"], s2["keep_ratio"], s2["keep_zero"]) == ("top_p", 0.9, False)
     assert {k: v for k, v in s.items() if not k.startswith(("filter", "keep"))} == {
         k: v for k, v in s2.items() if not k.startswith(("filter", "keep"))
     }  # the filter is the only difference
-    assert script.Args().filter_prob_mode == "linear" and script.Args().filter_eps == 0.01
+    assert script.SETTINGS["filter_prob_mode"] == "linear" and script.SETTINGS["filter_eps"] == 0.01
     assert script.ALGOS["starpo"]["filter"] == "none"
 
 

@@ -365,7 +365,7 @@ def test_reward_on_the_last_allowed_action_counts(tiny):
     moves = [free, back[free]] * ((10 - len(path)) // 2) + path  # walk away and back, then solve on move 10
     traj, _, _ = run_scripted(tok, seed, [reply(*moves[:5]), reply(*moves[5:])])
     assert traj.num_actions == 10 and traj.success and len(traj.turns) == 2
-    assert traj.turns[-1].env_reward == pytest.approx(-0.5 + 11)
+    assert traj.turns[-1].payout == pytest.approx(-0.5 + 11)
     assert traj.score == pytest.approx(-1.0 + 11)
 
 
@@ -604,7 +604,6 @@ def test_bad_flag_fails_in_one_line_from_the_command_line(tmp_path):
         (["--max-actions-per-traj", "0"], "--max-actions-per-traj"),
         (["--keep-ratio", "1.5"], "--keep-ratio"),
         (["--max-tokens", "4000"], "--max-tokens"),
-        (["--max-skipped", "0"], "--max-skipped"),
         (["--save-every", "-1"], "--save-every"),
         (["--resume", "--overwrite"], "--"),  # --resume with no run here, or the pair itself: either way one line
         (["--no-such-flag"], "--no-such-flag"),
@@ -819,9 +818,10 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
         return loss * float("nan"), stats
 
     monkeypatch.setattr(ss, "policy_loss", nan_loss)
+    monkeypatch.setitem(ss.SETTINGS, "max_skipped", 2)
     with pytest.raises(SystemExit) as e:
-        ss.main([*IN_PROCESS, "--steps", "4", "--max-skipped", "2", "--save-every", "1", "--output-dir", str(tmp_path)])
-    assert e.value.code == 2 and "--max-skipped" in capsys.readouterr().err
+        ss.main([*IN_PROCESS, "--steps", "4", "--save-every", "1", "--output-dir", str(tmp_path)])
+    assert e.value.code == 2 and "SETTINGS['max_skipped']" in capsys.readouterr().err
     rows_ = read(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows_] == [0, 1, 2] and all(r["actor/skipped_updates"] >= 1 for r in rows_[1:])
     assert plumbing.run.latest_checkpoint(tmp_path).name == "step-000001" and all(initial_and_saved(tmp_path))
@@ -836,14 +836,13 @@ def test_mask_truncated_means_cut_trajectories_are_not_trained(tmp_path, monkeyp
         return float(sum(map(ord, t.text)) % 7)
 
     monkeypatch.setattr(ss, "RUBRIC", [(text_hash, 1.0)])
+    monkeypatch.setitem(ss.SETTINGS, "weight_decay", 0.0)  # AdamW's decay would move untrained weights
     flags = [
         *IN_PROCESS,
         "--steps",
         "1",
         "--max-tokens",
         "12",
-        "--weight-decay",
-        "0",
         "--entropy-coef",
         "0",
         "--estimator",

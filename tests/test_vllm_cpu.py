@@ -10,6 +10,7 @@ whole module: an engine's first start compiles, a minute or more on two cores.
 import json
 import os
 import subprocess
+import unittest.mock
 
 import pytest
 import torch
@@ -63,8 +64,9 @@ def make_engine(dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny_bandit()
-    args = sb.Args(max_tokens=24, max_model_len=512, vllm_dtype=dtype)
-    llm = sb.vllm_engine(args, path, DEVICE)
+    args = sb.Args(max_tokens=24, max_model_len=512)
+    with unittest.mock.patch.dict(sb.SETTINGS, vllm_dtype=dtype):  # the engine's weights in this dtype
+        llm = sb.vllm_engine(args, path, DEVICE)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return llm, tok, model

@@ -153,17 +153,16 @@ class Args:
     steps: int = 100
     eval_every: int = 0
     save_every: int = 0
-    max_skipped: int = 3
     empty_stop_steps: int = 5
     filter: str = "top_p"
-    filter_stat: str = "std"
     keep_ratio: float = 0.9
 
 
 @pytest.fixture
 def run(tmp_path):
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    r = plumbing_run.Run(Args(str(tmp_path)), "frozenlake", None, None, None, {}, {})
+    settings = dict(max_skipped=3, filter_stat="std")  # what Run reads of a script's SETTINGS
+    r = plumbing_run.Run(Args(str(tmp_path)), "frozenlake", None, None, None, {}, {"settings": settings})
     r.bar = SimpleNamespace(set_postfix=lambda _: None)
     yield r
     for f in (r.metrics, r.rollouts, r.groups, r.collapse):

@@ -1,7 +1,7 @@
 """Fold a LoRA run's adapters into its base model: a model of its own, loadable with from_pretrained (or by vLLM).
 
 A LoRA checkpoint's policy/ holds the adapters alone (adapters.pt) and the tokenizer; the run's config.json names the
-base model (model_path), --lora-rank and --lora-alpha. The merge is the one each vLLM push makes: W + (alpha / r) B A
+base model (model_path), --lora-rank and the script's SETTINGS["lora_alpha"]. The merge is the one each vLLM push makes: W + (alpha / r) B A
 per adapted layer, in float32.
 
     python tools/merge_lora.py runs/<run>/checkpoints/step-000040 merged/
@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     load = lambda: AutoModelForCausalLM.from_pretrained(config["model_path"], dtype=torch.float32)
-    adapted = add_adapters(load(), config["lora_rank"], config["lora_alpha"])
+    adapted = add_adapters(load(), config["lora_rank"], config.get("settings", config)["lora_alpha"])
     try:
         load_adapters(adapted, adapters)
     except ValueError as e:
