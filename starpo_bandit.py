@@ -1,8 +1,9 @@
 """StarPO and StarPO-S on RAGEN's two-arm bandit, in one file.
 
 The agent sees two named arms, thinks inside <think>...</think> and answers an arm name inside <answer>...</answer>.
-The low-risk arm ("Phoenix") always pays 0.15; the high-risk arm ("Dragon") pays 1.0 with probability 0.25, so it is
-worth more on average. Success = choosing the high-risk arm.
+The low-risk arm ("Phoenix") always pays 0.1, as in RAGEN's code (its paper says 0.15: `--low-arm-payout 0.15`); the
+high-risk arm ("Dragon") pays 1.0 with probability 0.25, so it is worth more on average. Success = choosing the
+high-risk arm.
 
 StarPO (RAGEN, arXiv 2504.20073) treats the reply as a trajectory and trains it with PPO (critic + GAE) or GRPO.
 StarPO-S, the default here, adds three stabilisers: keep only the 25% of groups whose rewards disagree most
@@ -62,6 +63,8 @@ class Args:
     """low-risk arm name at evaluation (default: same as training)"""
     val_high_arm_name: Optional[str] = None
     """high-risk arm name at evaluation (default: same as training)"""
+    low_arm_payout: float = 0.1
+    """what the low-risk arm always pays: 0.1 as RAGEN's code (lo_arm_score), 0.15 as its paper's text"""
     payout_draw: Literal["member", "group"] = "member"
     """member: each group member draws its own payout (RAGEN since 2025-11); group: the group shares one draw"""
     arm_pairs: Literal["one", "ragen"] = "one"
@@ -214,7 +217,7 @@ class BanditEnv:
         self,
         low_name="Phoenix",
         high_name="Dragon",
-        low_reward=0.15,
+        low_reward=0.1,
         high_reward=1.0,
         high_prob=0.25,
         payout_draw="member",
@@ -312,7 +315,7 @@ class Turn:
 
 
 def env_reward(t: Turn) -> float:
-    """The bandit's payout: high-risk arm 1.0 with probability 0.25 (else 0), low-risk arm 0.15, invalid 0."""
+    """The bandit's payout: high-risk arm 1.0 w.p. 0.25 (else 0), low-risk 0.1 (RAGEN's code; paper 0.15), invalid 0."""
     return t.payout
 
 
@@ -832,6 +835,7 @@ def resolve_args(args: Args):
             args.val_low_arm_name.strip().lower() != args.val_high_arm_name.strip().lower(),
             "must differ from --val-low-arm-name",
         ),
+        ("--low-arm-payout", args.low_arm_payout >= 0, "must be >= 0"),
     ]
     for flag, ok, msg in checks:
         if not ok:
@@ -877,7 +881,7 @@ def env_kwargs_of(args: Args, split: str) -> dict:
         (args.low_arm_name, args.high_arm_name) if split == "train" else (args.val_low_arm_name, args.val_high_arm_name)
     )
     pairs = (RAGEN_TRAIN_PAIRS if split == "train" else RAGEN_TEST_PAIRS) if args.arm_pairs == "ragen" else ()
-    return dict(low_name=low, high_name=high, payout_draw=args.payout_draw, pairs=pairs)
+    return dict(low_name=low, high_name=high, low_reward=args.low_arm_payout, payout_draw=args.payout_draw, pairs=pairs)
 
 
 def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajectory]]:

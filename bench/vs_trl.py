@@ -43,9 +43,11 @@ import plumbing.engine  # noqa: E402
 import plumbing.run  # noqa: E402
 import plumbing.tiny  # noqa: E402
 
-# The training environment both sides use: starpo_bandit's defaults (Phoenix 0.15, Dragon 1.0 w.p. 0.25).
+# The training environment both sides use: starpo_bandit's defaults (Phoenix 0.1, Dragon 1.0 w.p. 0.25).
 _DEFAULT_ARGS = sb.Args()
-ENV_KWARGS = dict(low_name=_DEFAULT_ARGS.low_arm_name, high_name=_DEFAULT_ARGS.high_arm_name)  # BanditEnv's payouts
+ENV_KWARGS = dict(
+    low_name=_DEFAULT_ARGS.low_arm_name, high_name=_DEFAULT_ARGS.high_arm_name, low_reward=_DEFAULT_ARGS.low_arm_payout
+)
 
 
 ########################################################################################################################

@@ -10,6 +10,7 @@ import torch
 
 import common
 import plumbing.engine
+import plumbing.flags
 import plumbing.run
 import plumbing.tiny
 import starpo_bandit as sb
@@ -29,14 +30,25 @@ def test_payout_statistics():
     for seed in range(200):
         env.reset(seed)
         _, reward, done, info = env.step("Phoenix")
-        assert reward == 0.15 and done and not info["success"] and info["action_is_valid"]
+        assert reward == 0.1 and done and not info["success"] and info["action_is_valid"]  # RAGEN's lo_arm_score
 
 
-def test_code_payout_and_custom_arms():
-    env = sb.BanditEnv(low_name="Teacher", high_name="Engineer", low_reward=0.1)
+def test_papers_payout_and_custom_arms():
+    env = sb.BanditEnv(low_name="Teacher", high_name="Engineer", low_reward=0.15)
     obs = env.reset(3)
     assert "Teacher" in obs and "Engineer" in obs and "Phoenix" not in obs
-    assert env.step("teacher")[1] == 0.1
+    assert env.step("teacher")[1] == 0.15
+
+
+@pytest.mark.parametrize("flags,payout", [([], 0.1), (["--low-arm-payout", "0.15"], 0.15)])
+def test_low_arm_payout_flag_reaches_the_env(flags, payout, tmp_path):
+    """RAGEN's code pays 0.1 on the low arm by default; the paper's 0.15 is one flag away, for training and eval."""
+    args = plumbing.flags.parse_args(sb.Args, flags + ["--output-dir", str(tmp_path / "run")])
+    args = sb.resolve_args(args)[0]
+    for split in ("train", "val"):
+        env = sb.BanditEnv(**sb.env_kwargs_of(args, split))
+        env.reset(7)
+        assert env.step("Phoenix")[1] == payout and env.step("Dragon")[1] in (0.0, 1.0)
 
 
 def test_name_order_is_random_per_seed_and_deterministic():
@@ -160,7 +172,7 @@ def test_rubric_env_reward_is_the_payout():
 def test_weight_zero_logs_but_does_not_count(monkeypatch):
     monkeypatch.setattr(sb, "RUBRIC", [(sb.env_reward, 1.0), (sb.format_reward, 0.0), (sb.invalid_answer_penalty, 0.1)])
     total, parts = run_rubric("<think>t</think><answer>Phoenix</answer>")
-    assert parts["format_reward"] == 1.0 and total == pytest.approx(0.15)
+    assert parts["format_reward"] == 1.0 and total == pytest.approx(0.1)
 
 
 # ---- log-prob consistency: generation vs the update pass ---------------------------------------------------------
@@ -320,6 +332,7 @@ def run_script(*flags, timeout=900, env_extra=None):
         (["--lr", "-1"], "--lr"),
         (["--steps", "ten"], "--steps"),
         (["--high-arm-name", "phoenix"], "--high-arm-name"),
+        (["--low-arm-payout", "-0.1"], "--low-arm-payout"),
         (["--no-such-flag"], "--no-such-flag"),
     ],
 )

@@ -87,12 +87,12 @@ def test_reward_wrapper_hand_computed_values():
     # One completion a call, so each is member 0 of its group and draws the seed's first payout.
     r = [vs_trl.bandit_reward([[{"role": "assistant", "content": c}]], [paid])[0] for c in COMPLETIONS[:5]]
     # env + 0.1 * format + 0.1 * (-1 if invalid)
-    assert r == pytest.approx([1.0 + 0.1, 0.15 + 0.1, 1.0, 0.1 - 0.1, -0.1])
+    assert r == pytest.approx([1.0 + 0.1, 0.1 + 0.1, 1.0, 0.1 - 0.1, -0.1])
     r = [
         vs_trl.bandit_reward([c], [unpaid])[0]
         for c in (f"{THINK} <answer> Dragon </answer>", "<answer> Phoenix </answer>")
     ]
-    assert r == pytest.approx([0.0 + 0.1, 0.15])
+    assert r == pytest.approx([0.0 + 0.1, 0.1])
 
 
 def test_reward_wrapper_numbers_a_groups_copies_as_members():

@@ -666,7 +666,7 @@ def test_group_advantages_group_size_one(norm_std):
 @pytest.mark.parametrize("n", [2, 3, 4, 7, 16])
 def test_group_advantages_all_equal_any_value_gives_zeros(value, n):
     """A group whose scores are all equal gives 0, never NaN -- for any score, including the
-    bandit's low-risk payout 0.15 and the -0.1 format penalty, not only for dyadic values like 1.0."""
+    bandit's low-risk payouts 0.1 and 0.15 and the -0.1 format penalty, not only for dyadic values like 1.0."""
     S = torch.full((2, n), value)
     S[1] = torch.linspace(0, 1, n)  # a normal group alongside must not matter
     out = group_advantages(S)
