@@ -138,6 +138,61 @@ def turn_group_advantages(
     return adv
 
 
+def relative_to(x: torch.Tensor, pool: torch.Tensor, norm: str = "mean", eps: float = 1e-6) -> torch.Tensor:
+    """(x - mean(pool)) / F, F = 1 ("mean") or pool's unbiased std + eps ("mean_std"): group_advantages' arithmetic.
+    x: (m,), pool: (k,) -> (m,). A pool of fewer than two values, or of equal ones, gives zeros (no signal), never NaN."""
+    if pool.numel() < 2 or pool.max() == pool.min():
+        return torch.zeros_like(x)
+    centred = x - pool.mean()  # (m,)
+    return centred / (pool.std(unbiased=True) + eps) if norm == "mean_std" else centred  # (m,)
+
+
+def gigpo_advantages(
+    turn_rewards, anchors, gamma=0.95, omega=1.0, norm="mean", episode_baseline="trajectory", eps=1e-6
+) -> tuple[list[list[float]], dict]:
+    """GiGPO (Feng et al., arXiv 2505.10978) for ONE episode group of n members: [[A_i0, A_i1, ...] per member], stats.
+
+    turn_rewards[i][t]: member i's reward at turn t; anchors[i][t]: a hashable key of the state shown at turn t (equal
+    keys = one state; the caller builds them, e.g. the grid text plus the last k moves). F = 1 for norm="mean" (the
+    paper's mean_norm, its default) or the unbiased std + eps for "mean_std" (mean_std_norm).
+      A_E(i) = (R_i - mean R) / F over R_i = sum_t r_t(i) (Eq. 3): episode_baseline="trajectory" (the paper's) takes
+        mean and std over the n members, "step" over every step-sample, R_i once per turn of i (verl-agent's default:
+        longer episodes weigh more in the baseline). omega = 0 with "trajectory" is group_advantages exactly.
+      R_t(i) = sum_{k>=t} gamma^(k-t) r_k(i) (Eq. 5); the anchor group G(s) = every (i, t) with anchors[i][t] == s
+        (Eq. 6); A_S(i, t) = (R_t(i) - mean over G(s) of R) / F_G(s) (Eq. 7): 0 for a state seen once or equal returns.
+      A(i, t) = A_E(i) + omega * A_S(i, t) (Eq. 8), one value per turn: place_turn_values puts it on the turn's tokens.
+    stats: step_group_sizes (one per distinct state), singleton_share (share of step-samples alone in their group),
+    mean_abs_step_adv[t] (mean |A_S| over the members that played turn t). verl-agent differs: its invalid-action
+    penalty comes off that turn's R_t only (here a penalty inside r_t is discounted back), and a lone member keeps
+    A_E = R_i (here 0, as group_advantages).
+    """
+    lengths = [len(r) for r in turn_rewards]
+    if norm not in ("mean", "mean_std") or episode_baseline not in ("trajectory", "step"):
+        raise ValueError(f"unknown norm {norm!r} or episode_baseline {episode_baseline!r}")
+    if [len(a) for a in anchors] != lengths:
+        raise ValueError("anchors[i] needs one key per turn of turn_rewards[i]")
+    returns = torch.tensor([sum(r) for r in turn_rewards], dtype=torch.float64)  # (n,): R_i
+    step_pool = returns.repeat_interleave(torch.tensor(lengths, dtype=torch.long))  # (sum of lengths,): R_i per turn
+    pool = returns if episode_baseline == "trajectory" else step_pool
+    episode_adv = relative_to(returns, pool, norm, eps).tolist()  # n floats: A_E, Eq. 3
+    togo = [[sum(gamma ** (k - t) * r[k] for k in range(t, len(r))) for t in range(len(r))] for r in turn_rewards]
+    groups = {}  # state -> [(i, t), ...]: the anchor groups, Eq. 6
+    for i, keys in enumerate(anchors):
+        for t, key in enumerate(keys):
+            groups.setdefault(key, []).append((i, t))
+    step_adv = [[0.0] * length for length in lengths]  # A_S, Eq. 7; singletons stay 0
+    for members in groups.values():
+        x = torch.tensor([togo[i][t] for i, t in members], dtype=torch.float64)  # (|G(s)|,): the group's R_t, Eq. 5
+        for (i, t), a in zip(members, relative_to(x, x, norm, eps).tolist()):
+            step_adv[i][t] = a
+    adv = [[episode_adv[i] + omega * a for a in row] for i, row in enumerate(step_adv)]  # Eq. 8
+    sizes = [len(members) for members in groups.values()]
+    singleton_share = sizes.count(1) / max(sum(sizes), 1)  # each singleton group is one step-sample
+    per_turn = [[abs(row[t]) for row in step_adv if len(row) > t] for t in range(max(lengths, default=0))]
+    mean_abs = [sum(v) / len(v) for v in per_turn]  # one per turn index: how much A_S moves turn t
+    return adv, {"step_group_sizes": sizes, "singleton_share": singleton_share, "mean_abs_step_adv": mean_abs}
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0):
     """Generalised advantage estimation over token positions, skipping masked (non-trained) positions.
 
