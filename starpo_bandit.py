@@ -725,7 +725,7 @@ def models(args: Args, model_path: str, policy_path: str, device: str, precision
 
 
 @torch.no_grad()
-def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: bool, autocast) -> tuple[dict, dict]:
+def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: bool, autocast, age=None):
     """old_logp, ref_logp (for the KL term) and old_values, each (N, C) over the batch's loss columns; then metrics:
     how far the sampler's log-probs were from the trainer's (rollout/logprob_diff_mean, _max; recompute only).
 
@@ -734,25 +734,30 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     (recompute) we recompute them at the update's precision, as veRL does, and log the gap: the train / inference
     mismatch. Unless the update is one optimizer step (update.OnPolicy): then its own pass gives the old log-probs,
     old_logp is None, and ppo_update logs the gap. One forward pass fewer.
+    age (multi-turn --rollout-reuse k > 1; None otherwise): updates since the batch was sampled. From age 1 on, the
+    old log-probs are the sampler's (the behaviour policy's), and the current policy's are computed only for their gap
+    to them (rollout/stale_logprob_diff_mean, _max); rollout/policy_age logs the age.
     """
-    deferred = recompute and update.OnPolicy.applies(args.ppo_epochs, len(mask), args.mini_batch_size)
-    recompute = recompute and not deferred
+    deferred = recompute and not age and update.OnPolicy.applies(args.ppo_epochs, len(mask), args.mini_batch_size)
+    recompute = recompute and not deferred and not age
     old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
-    ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
+    ref_logp, old_values, now = (torch.zeros_like(old_logp) for _ in range(3))  # (N, C) each; now: if age
     policy.eval()
     with autocast:
         for mb, _ in update.micro_batches(batch, None, args.micro_batch_size, micro_view):  # rows of like length
             i, c = mb["idx"], mb["cols"]  # its rows, and its columns (up to its longest row)
-            if recompute:
-                old_logp[i, :c] = policy_forward(policy, mb, SETTINGS["temperature"])[0]
+            if recompute or age:
+                (old_logp if recompute else now)[i, :c] = policy_forward(policy, mb, SETTINGS["temperature"])[0]
             if ref is not None:
                 with lora.adapters_off(ref):  # under LoRA the reference is the policy without its adapters
                     ref_logp[i, :c] = policy_forward(ref, mb, SETTINGS["temperature"])[0]
             if critic is not None:
                 old_values[i, :c] = critic(mb).float()
-    computed = (recompute, ref is not None, critic is not None)
-    update.all_rows(batch, *(t for t, done in zip((old_logp, ref_logp, old_values), computed) if done))
+    computed = (recompute, ref is not None, critic is not None, bool(age))
+    update.all_rows(batch, *(t for t, done in zip((old_logp, ref_logp, old_values, now), computed) if done))
     metrics = update.sampler_gap(old_logp, batch, mask) if recompute else {}
+    if age is not None:  # a reused batch: how old it is, and how far the policy has moved from its sampler
+        metrics.update({"rollout/policy_age": age}, **(update.sampler_gap(now, batch, mask, "stale_") if age else {}))
     return dict(old_logp=None if deferred else old_logp, ref_logp=ref_logp, old_values=old_values), metrics
 
 
@@ -912,11 +917,7 @@ def main(argv=None):
     pairs = {(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)}
     pairs = sorted(pairs | set(RAGEN_TRAIN_PAIRS + RAGEN_TEST_PAIRS if args.arm_pairs == "ragen" else []))
     model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(pairs))) if model_name == "tiny" else model_name
-    preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
-    write_line(
-        f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
-        f"estimator: {args.estimator}  preset: {args.preset} ({preset})  precision: {precision}  threads: {threads}"
-    )
+    write_line(flags.start_line(args, PRESETS, model_name, model_path, device, backend, precision, threads))
     cpu.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
     # On resume the policy comes from the checkpoint (LoRA: its adapters, loaded by Run); the KL reference never does.
     policy_path = str(resume_from / "policy") if resume_from and not args.lora_rank else model_path

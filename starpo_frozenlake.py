@@ -41,7 +41,7 @@ from typing import Literal, Optional
 from plumbing import flags  # torch-free: `--help` is answered before torch loads (see flags.answer_help below)
 
 
-# Copied fields from starpo_bandit.Args except estimator, max_tokens
+# Copied fields from starpo_bandit.Args except estimator, max_tokens, gamma
 # Copied fields from starpo_sokoban.Args except positions, outcomes
 @dataclass
 class Args:
@@ -52,8 +52,8 @@ class Args:
     """training steps"""
     algo: Literal["starpo", "starpo-s", "starpo-s2"] = "starpo-s"
     """starpo: KL 0.001, clip 0.2, no filter. starpo-s: top-25% group filter, no KL, clip 0.2/0.28, dual clip 3. starpo-s2: starpo-s with RAGEN-2's filter (top-p 0.9 of the reward-std mass, zero-std groups dropped)"""
-    estimator: Literal["gae", "grpo", "turn-grpo", "bi-level-gae"] = "gae"
-    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn; bi-level-gae = RAGEN's turn-level GAE (HIGH_LEVEL_GAMMA between turns), then token-level within each turn"""
+    estimator: Literal["gae", "grpo", "turn-grpo", "bi-level-gae", "gigpo"] = "gae"
+    """gae = PPO with a critic (RAGEN's default); grpo = group-normalised trajectory reward; turn-grpo = each turn's return-to-go against the group's same turn; bi-level-gae = RAGEN's turn-level GAE (HIGH_LEVEL_GAMMA between turns), then token-level within each turn; gigpo = GiGPO: the episode's advantage plus each turn's against the group's turns taken from the same state"""
     seed: int = 0
     """random seed (training seeds, sampling, shuffling)"""
     output_dir: Optional[str] = None
@@ -97,7 +97,17 @@ class Args:
     norm_adv_by_std: bool = True
     """grpo: divide by the group std (off = Dr. GRPO)"""
     gamma: float = 1.0
-    """discount: gae per token (multi-turn: turn-grpo per turn)"""
+    """discount: gae per token, turn-grpo and gigpo per turn (gigpo: 0.95, GiGPO's, unless you give it)"""
+    gigpo_history: int = 0
+    """gigpo: a turn's anchor state is the observation shown plus the last k moves (0 = the observation alone, GiGPO's)"""
+    gigpo_omega: float = 1.0
+    """gigpo: the weight of the step advantage, A = A_E + omega * A_S (0 = the episode-level advantage alone)"""
+    gigpo_norm: Literal["mean", "mean_std"] = "mean"
+    """gigpo: advantages are returns minus the group's mean (GiGPO's mean_norm), or also over its std (mean_std_norm)"""
+    gigpo_baseline: Literal["trajectory", "step"] = "trajectory"
+    """gigpo: A_E's mean over the group's episodes (the paper's), or over its turns, longer episodes weighing more (verl-agent's)"""
+    rollout_reuse: int = 1
+    """RAGEN's Online-k: each batch of rollouts trains k successive steps before the next is sampled (1 = fresh every step)"""
     mask_truncated: bool = False
     """do not train on episodes with a reply cut at --max-tokens (their reward still counts in the group statistics)"""
     lr: float = 1e-6
@@ -218,7 +228,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import common  # noqa: E402
 from common import agg_loss, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, select_groups, value_loss  # noqa: E402
 from plumbing import collapse, contract, cpu, dist, engine, forward, lora, tiny, update  # noqa: E402
-from plumbing.metrics import episode_stats, filter_stats, pass_stats, reply_stats  # noqa: E402
+from plumbing.metrics import episode_stats, filter_stats, gigpo_stats, pass_stats, reply_stats  # noqa: E402
 from plumbing.report import rollout_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
@@ -413,6 +423,12 @@ class FrozenLakeEnv:
         info = {"success": self.cell() == "G", "action_is_valid": valid, "action_is_effective": self.pos != before}
         info["slipped"] = self.pos != meant  # the ice, not the agent, chose where it went
         return self.observation(), reward, self.done, info
+
+
+# GiGPO's anchor state (--estimator gigpo, see `anchors`) is the observation: a group shares its map, so equal
+# observations are one cell of it. A lake has at most 16 cells and slips send the members of a group through the same
+# cells in different orders, so a group of 8 revisits them constantly: the step advantage compares what each move
+# from one cell led to.
 
 
 def success_dp(desc: list[str], budget: int, slippery: bool = True) -> tuple[float, float]:
@@ -946,6 +962,18 @@ def place_rewards(rows: list[Row], trajs: list[Trajectory], width: int) -> torch
     return out
 
 
+# Copied from starpo_sokoban.anchors
+def anchors(t: Trajectory, k: int) -> list[tuple]:
+    """GiGPO's anchor state of each turn of t: the observation shown before it (ENVIRONMENT says what that is for
+    this task) and, with k > 0, the last k moves played before it. The prompt carries the whole history, so turns
+    from one state can see different prompts; k > 0 groups only those whose recent moves agree (HGPO's caution)."""
+    out, played = [], []
+    for turn in t.turns:
+        out.append((turn.state, tuple(played[-k:]) if k else ()))
+        played += turn.actions
+    return out
+
+
 # Copied from starpo_sokoban.place_turn_values
 def place_turn_values(rows: list[Row], values: list[list[float]], width: int) -> torch.Tensor:
     """(rows, width): values[traj][j] on every column of turn j's reply in each row, 0 elsewhere (turn-grpo's
@@ -1013,19 +1041,29 @@ HIGH_LEVEL_GAMMA = 0.95  # bi-level-gae: the discount between turns (RAGEN's hig
 
 # Copied from starpo_sokoban.advantages_of
 def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: list[Row], mask, old_values):
-    """(advantages, returns) on the batch's loss columns, (N, T - 1) each; returns is None without a critic.
+    """(advantages, returns, metrics) on the batch's loss columns, (N, T - 1) each; returns is None without a critic,
+    metrics the estimator's own (gigpo: what its state groups saw).
 
     kept_scores (K, n): the kept groups' trajectory scores; kept_trajs: their K * n trajectories, a group's n in a row.
     grpo: each trajectory's group-normalised score on all its sampled tokens. turn-grpo: each turn's return-to-go
     against the same turn of its group (common.turn_group_advantages). gae: each turn's reward on its last sampled
     token; the observation tokens between turns are masked, so GAE carries the advantage across them and the turns
-    chain into one sequence; then whitened over the batch.
+    chain into one sequence; then whitened over the batch. gigpo: each turn's episode advantage plus its step advantage
+    against the turns of its group taken from the same anchor state (common.gigpo_advantages, anchors).
     """
     n, device = args.group_size, mask.device
     if args.estimator == "grpo":
         adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
         row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
-        return adv[row_traj][:, None] * mask, None  # (N, T - 1): the trajectory's value on its sampled tokens
+        return adv[row_traj][:, None] * mask, None, {}  # (N, T - 1): the trajectory's value on its sampled tokens
+    if args.estimator == "gigpo":
+        values, seen = [], []  # each kept trajectory's per-turn advantages; each group's state-group statistics
+        options = (args.gamma, args.gigpo_omega, args.gigpo_norm, args.gigpo_baseline)
+        for group in (kept_trajs[g : g + n] for g in range(0, len(kept_trajs), n)):  # a group: n in a row
+            rewards = [[turn.reward for turn in t.turns] for t in group]
+            adv, stats = common.gigpo_advantages(rewards, [anchors(t, args.gigpo_history) for t in group], *options)
+            values, seen = values + adv, seen + [stats]
+        return place_turn_values(rows, values, mask.shape[1]).to(device) * mask, None, gigpo_stats(seen)
     if args.estimator == "turn-grpo":
         per_turn = [[turn.reward for turn in t.turns] for t in kept_trajs]  # each kept trajectory's turn rewards
         values = [
@@ -1033,16 +1071,16 @@ def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: l
             for g in range(0, len(per_turn), n)
             for a in common.turn_group_advantages(per_turn[g : g + n], args.gamma, args.norm_adv_by_std)
         ]  # kept groups are n consecutive trajectories
-        return place_turn_values(rows, values, mask.shape[1]).to(device) * mask, None  # (N, T - 1)
+        return place_turn_values(rows, values, mask.shape[1]).to(device) * mask, None, {}  # (N, T - 1)
     token_rewards = place_rewards(rows, kept_trajs, mask.shape[1]).to(device)  # (N, T - 1)
     if args.estimator == "bi-level-gae":  # the turn ends from the turn structure (RAGEN: "reward != 0", see common)
         ends = [[last - 1 for last in r.last_index] for r in rows]  # column of each turn's last sampled token
         advantages, returns = common.bi_level_gae(
             token_rewards, old_values, mask, ends, args.gamma, SETTINGS["lam"], HIGH_LEVEL_GAMMA
         )
-        return masked_whiten(advantages, mask), returns
+        return masked_whiten(advantages, mask), returns, {}
     advantages, returns = gae(token_rewards, old_values, mask, args.gamma, SETTINGS["lam"])
-    return masked_whiten(advantages, mask), returns
+    return masked_whiten(advantages, mask), returns, {}
 
 
 ########################################################################################################################
@@ -1116,7 +1154,7 @@ def models(args: Args, model_path: str, policy_path: str, device: str, precision
 
 # Copied from starpo_bandit.old_logprobs
 @torch.no_grad()
-def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: bool, autocast) -> tuple[dict, dict]:
+def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: bool, autocast, age=None):
     """old_logp, ref_logp (for the KL term) and old_values, each (N, C) over the batch's loss columns; then metrics:
     how far the sampler's log-probs were from the trainer's (rollout/logprob_diff_mean, _max; recompute only).
 
@@ -1125,25 +1163,30 @@ def old_logprobs(policy, ref, critic, batch: dict, mask, args: Args, recompute: 
     (recompute) we recompute them at the update's precision, as veRL does, and log the gap: the train / inference
     mismatch. Unless the update is one optimizer step (update.OnPolicy): then its own pass gives the old log-probs,
     old_logp is None, and ppo_update logs the gap. One forward pass fewer.
+    age (multi-turn --rollout-reuse k > 1; None otherwise): updates since the batch was sampled. From age 1 on, the
+    old log-probs are the sampler's (the behaviour policy's), and the current policy's are computed only for their gap
+    to them (rollout/stale_logprob_diff_mean, _max); rollout/policy_age logs the age.
     """
-    deferred = recompute and update.OnPolicy.applies(args.ppo_epochs, len(mask), args.mini_batch_size)
-    recompute = recompute and not deferred
+    deferred = recompute and not age and update.OnPolicy.applies(args.ppo_epochs, len(mask), args.mini_batch_size)
+    recompute = recompute and not deferred and not age
     old_logp = batch["gen_logprobs"].clone()  # (N, C): the sampler's log-prob of each sampled token, 0 elsewhere
-    ref_logp, old_values = torch.zeros_like(old_logp), torch.zeros_like(old_logp)  # (N, C) each
+    ref_logp, old_values, now = (torch.zeros_like(old_logp) for _ in range(3))  # (N, C) each; now: if age
     policy.eval()
     with autocast:
         for mb, _ in update.micro_batches(batch, None, args.micro_batch_size, micro_view):  # rows of like length
             i, c = mb["idx"], mb["cols"]  # its rows, and its columns (up to its longest row)
-            if recompute:
-                old_logp[i, :c] = policy_forward(policy, mb, SETTINGS["temperature"])[0]
+            if recompute or age:
+                (old_logp if recompute else now)[i, :c] = policy_forward(policy, mb, SETTINGS["temperature"])[0]
             if ref is not None:
                 with lora.adapters_off(ref):  # under LoRA the reference is the policy without its adapters
                     ref_logp[i, :c] = policy_forward(ref, mb, SETTINGS["temperature"])[0]
             if critic is not None:
                 old_values[i, :c] = critic(mb).float()
-    computed = (recompute, ref is not None, critic is not None)
-    update.all_rows(batch, *(t for t, done in zip((old_logp, ref_logp, old_values), computed) if done))
+    computed = (recompute, ref is not None, critic is not None, bool(age))
+    update.all_rows(batch, *(t for t, done in zip((old_logp, ref_logp, old_values, now), computed) if done))
     metrics = update.sampler_gap(old_logp, batch, mask) if recompute else {}
+    if age is not None:  # a reused batch: how old it is, and how far the policy has moved from its sampler
+        metrics.update({"rollout/policy_age": age}, **(update.sampler_gap(now, batch, mask, "stale_") if age else {}))
     return dict(old_logp=None if deferred else old_logp, ref_logp=ref_logp, old_values=old_values), metrics
 
 
@@ -1214,16 +1257,9 @@ def resolve_args(args: Args):
     """Check every flag and fill what depends on others. Runs before any model loads; bad input exits in one line."""
     contract.check(Args, SETTINGS, Trajectory, Turn)  # what plumbing/ reads of this file: all here?
     device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN)
-    checks = flags.common_checks(args) + [
-        ("--max-turns", args.max_turns >= 1, "must be >= 1"),
-        ("--max-actions-per-turn", args.max_actions_per_turn >= 1, "must be >= 1"),
-        ("--max-actions-per-traj", args.max_actions_per_traj >= 1, "must be >= 1"),
-        (
-            "--max-context-turns",
-            args.max_context_turns is None or args.max_context_turns >= 1,
-            "must be >= 1 (the first prompt and the last k turns)",
-        ),
-    ]
+    if args.estimator == "gigpo" and not args.resume and "gamma" not in flags.given_fields(args):
+        args.gamma = 0.95  # GiGPO's discount between turns (a resumed run keeps its own)
+    checks = flags.common_checks(args) + flags.multi_turn_checks(args)
     for flag, ok, msg in checks:
         if not ok:
             flags.fail(flag, msg)
@@ -1304,11 +1340,7 @@ def main(argv=None):
     if args.warmup_steps:
         examples, out = (lambda: tiny_warmup_examples(args, fixed={})), Path(args.output_dir) / "warmup"  # lazy
         model_path = tiny.world_model_warmup(model_path, examples, out, args.warmup_steps, args.seed, device)
-    preset = ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS.get(args.preset, {}))
-    write_line(
-        f"model: {model_name} ({model_path})  device: {device}  backend: {backend}  algo: {args.algo}  "
-        f"estimator: {args.estimator}  preset: {args.preset} ({preset})  precision: {precision}  threads: {threads}"
-    )
+    write_line(flags.start_line(args, PRESETS, model_name, model_path, device, backend, precision, threads))
     cpu.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
     # On resume the policy comes from the checkpoint (LoRA: its adapters, loaded by Run); the KL reference never does.
     policy_path = str(resume_from / "policy") if resume_from and not args.lora_rank else model_path
@@ -1346,10 +1378,12 @@ def main(argv=None):
     for step in run.steps(f"starpo-{TASK}"):
         # ---- rollout: n_groups fresh seeds, each shared by group_size episodes, all played together ---------------
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in dist.block(G)]  # torchrun: this rank's block
-        with run.timer("rollout"):
-            seeds = [s for s in group_seeds for _ in range(n)]  # a group's members share its seed (its start)
-            trajs = rollout(generate, tok, seeds, args, SETTINGS["temperature"], rubric)
-            trajs = dist.gather(trajs)  # every rank holds all G x n episodes: the same filter and advantages
+        age = (step - 1) % args.rollout_reuse if args.rollout_reuse > 1 else None  # updates since it was sampled
+        if not age:  # --rollout-reuse k (RAGEN's Online-k): a batch trains k steps in a row, then a fresh one
+            with run.timer("rollout"):
+                seeds = [s for s in group_seeds for _ in range(n)]  # a group's members share its seed (its start)
+                trajs = rollout(generate, tok, seeds, args, SETTINGS["temperature"], rubric)
+                trajs = dist.gather(trajs)  # every rank holds all G x n episodes: the same filter and advantages
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
         record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
         record.update(pass_stats([t.success for t in trajs], n, "train"))
@@ -1377,10 +1411,12 @@ def main(argv=None):
 
             # ---- old log-probs, reference log-probs, values (no grad) --------------------------------------------
             with run.timer("logprob"):
-                old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)
+                old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast, age)
 
             # ---- advantages: grpo, turn-grpo, gae or bi-level-gae (see advantages_of), scaled if asked ------------
-            advantages, returns = advantages_of(args, scores[kept], kept_trajs, rows, mask, old["old_values"])
+            advantages, returns, estimated = advantages_of(
+                args, scores[kept], kept_trajs, rows, mask, old["old_values"]
+            )
             shrink = common.filter_loss_scale(len(kept), G, SETTINGS["filter_loss_scaling"])  # 1 unless set
             advantages = advantages * shrink  # (N, T - 1)
 
@@ -1396,7 +1432,7 @@ def main(argv=None):
                     vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
                 if sampler is not policy:
                     sampler.load_state_dict(policy.state_dict())  # the bf16 sampler takes the new weights, cast
-            record.update(stats, **mismatch, **{"rollout/trained_rows": len(rows)})
+            record.update(stats, **mismatch, **estimated, **{"rollout/trained_rows": len(rows)})
 
         # ---- log ---------------------------------------------------------------------------------------------------
         if args.sample_every and step % args.sample_every == 0:

@@ -20,6 +20,10 @@ ARGS = {
     **dict.fromkeys(("steps", "eval_every", "save_every", "empty_stop_steps", "sample_every"), "run.py"),
     **dict.fromkeys(("seed", "log_rollouts_every"), "run.py"),
 }
+MULTI_TURN_ARGS = {  # and those flags.multi_turn_checks reads of the multi-turn scripts
+    **dict.fromkeys(("max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_context_turns"), "flags.py"),
+    **dict.fromkeys(("gigpo_history", "gigpo_omega", "rollout_reuse"), "flags.py"),
+}
 SETTINGS = {"temperature": "collapse.py", "max_skipped": "run.py", "filter_stat": "run.py"}
 # Trajectory and Turn fields (or properties) of each kind of script: multi-turn (FrozenLake, Sokoban) and one-turn
 # (the bandit), and the plumbing module that reads each (metrics.py: the logged statistics; report.py: rollouts.jsonl).
@@ -56,7 +60,9 @@ def names(cls) -> set[str]:
 def missing(args_cls, settings: dict, classes: dict, kind: dict) -> list[str]:
     """One line per name plumbing reads that the script lacks (an empty list: the script keeps the contract)."""
     out = [
-        f"Args has no field '{k}', which plumbing/{who} reads" for k, who in ARGS.items() if k not in names(args_cls)
+        f"Args has no field '{k}', which plumbing/{who} reads"
+        for k, who in (ARGS if kind is ONE_TURN else ARGS | MULTI_TURN_ARGS).items()
+        if k not in names(args_cls)
     ]
     out += [
         f"SETTINGS has no entry '{k}', which plumbing/{who} reads" for k, who in SETTINGS.items() if k not in settings

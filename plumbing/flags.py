@@ -238,6 +238,32 @@ def resolve_run(args, presets: dict, algos: dict, task: str, default_model: str)
     return device, model, backend
 
 
+def start_line(args, presets: dict, model: str, path: str, device: str, backend: str, precision: str, threads) -> str:
+    """The start-up line: the model and where it runs, the algorithm, and what the preset set."""
+    preset = ", ".join(f"{k}={getattr(args, k)}" for k in presets.get(args.preset, {}))
+    return (
+        f"model: {model} ({path})  device: {device}  backend: {backend}  algo: {args.algo}  "
+        f"estimator: {args.estimator}  preset: {args.preset} ({preset})  precision: {precision}  threads: {threads}"
+    )
+
+
+def multi_turn_checks(args) -> list[tuple[str, bool, str]]:
+    """(flag, ok, message) for the flags both multi-turn scripts have."""
+    return [
+        ("--max-turns", args.max_turns >= 1, "must be >= 1"),
+        ("--max-actions-per-turn", args.max_actions_per_turn >= 1, "must be >= 1"),
+        ("--max-actions-per-traj", args.max_actions_per_traj >= 1, "must be >= 1"),
+        (
+            "--max-context-turns",
+            args.max_context_turns is None or args.max_context_turns >= 1,
+            "must be >= 1 (the first prompt and the last k turns)",
+        ),
+        ("--gigpo-history", args.gigpo_history >= 0, "must be >= 0 (0 = the observation alone)"),
+        ("--gigpo-omega", args.gigpo_omega >= 0, f"must be >= 0, got {args.gigpo_omega}"),
+        ("--rollout-reuse", args.rollout_reuse >= 1, "must be >= 1 (1 = fresh rollouts every step)"),
+    ]
+
+
 def common_checks(args) -> list[tuple[str, bool, str]]:
     """(flag, ok, message) for the flags every script has; each script adds its task's own."""
     from plumbing import dist  # torch is loaded by now (resolve_run)
@@ -247,7 +273,7 @@ def common_checks(args) -> list[tuple[str, bool, str]]:
         ("--n-groups", args.n_groups >= processes, f"must be at least the number of processes ({processes})"),
         (
             "--group-size",
-            args.group_size >= 2 or args.estimator not in ("grpo", "turn-grpo"),
+            args.group_size >= 2 or args.estimator not in ("grpo", "turn-grpo", "gigpo"),
             f"must be >= 2 with --estimator {args.estimator} (a group of one has no baseline)",
         ),
         ("--group-size", args.group_size >= 1, "must be >= 1"),

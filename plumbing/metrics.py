@@ -98,3 +98,25 @@ def pass_stats(successes: list, n: int, split: str) -> dict:
     wins = [sum(successes[i : i + n]) for i in range(0, len(successes), n)]  # c: successes per initial state
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n})
     return {f"{split}/pass@{k}": statistics.mean(common.pass_at_k(n, c, k) for c in wins) for k in ks}
+
+
+def gigpo_stats(groups: list[dict]) -> dict:
+    """What GiGPO's state groups held this step, over the kept episode groups (common.gigpo_advantages' stats, one
+    dict per episode group): how many state groups, their mean and largest size, the share of turns alone in their
+    state (their step advantage is 0), the mean |A_S| over all turns and, per turn index j, gigpo/abs_step_adv_turn_j
+    (how much the step advantage moves turn j: the episode's end, where states diverge, or its start)."""
+    sizes = [s for g in groups for s in g["step_group_sizes"]]
+    per_turn: dict[int, list[float]] = {}
+    for g in groups:
+        for j, v in enumerate(g["mean_abs_step_adv"], 1):
+            per_turn.setdefault(j, []).append(v)
+    if not sizes:
+        return {}
+    out = {
+        "gigpo/step_groups": len(sizes),
+        "gigpo/step_group_size_mean": statistics.mean(sizes),
+        "gigpo/step_group_size_max": max(sizes),
+        "gigpo/singleton_frac": sizes.count(1) / sum(sizes),
+        "gigpo/abs_step_adv_mean": statistics.mean(v for vs in per_turn.values() for v in vs),
+    }
+    return out | {f"gigpo/abs_step_adv_turn_{j}": statistics.mean(vs) for j, vs in sorted(per_turn.items())}

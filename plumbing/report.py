@@ -386,9 +386,32 @@ def charts(metrics: list[dict], config: dict) -> list[str]:
     return out
 
 
+def gigpo_charts(metrics: list[dict]) -> str:
+    """What GiGPO's state groups held (--estimator gigpo, plumbing.metrics.gigpo_stats): their sizes and the share of
+    turns alone in their state, and the mean |A_S| by turn over training. Empty for the other estimators."""
+    logged = sorted(
+        {k for r in metrics for k in r if k.startswith("gigpo/abs_step_adv_turn_")}, key=lambda k: int(k.split("_")[-1])
+    )
+    if not logged:
+        return ""
+    chart = chart_maker(metrics)
+    picked = sorted({0, 1, len(logged) // 2, len(logged) - 1} & set(range(len(logged))))  # turns 1, 2, mid, last
+    by_turn = [(logged[i], "turn " + logged[i].split("_")[-1]) for i in picked]  # (a chart has six colours)
+    return (
+        chart(
+            "GiGPO state groups",
+            [("gigpo/step_group_size_mean", "mean size"), ("gigpo/step_group_size_max", "largest")],
+            "turns per state",
+        )
+        + chart("GiGPO singletons", [("gigpo/singleton_frac", "turns alone in their state")], "share", (0.0, 1.0))
+        + chart("GiGPO step advantage by turn", [("gigpo/abs_step_adv_mean", "all turns"), *by_turn], "mean |A_S|")
+    )
+
+
 def filter_section(metrics: list[dict], groups: list[dict]) -> str:
     """The uncertainty filter: a picked step's groups as bars (drawn by the page's script from DATA.groups), the kept
-    ratio and the skipped steps over training. Empty when the run logs neither groups.jsonl nor the filter metrics."""
+    ratio and the skipped steps over training, and GiGPO's state groups beside them (gigpo_charts). Empty when the run
+    logs neither groups.jsonl nor the filter metrics."""
     if not groups and not series(metrics, "rollout/filter_kept_ratio"):
         return ""
     chart = chart_maker(metrics)
@@ -415,6 +438,7 @@ def filter_section(metrics: list[dict], groups: list[dict]) -> str:
             "steps",
             marks=skipped,
         )
+        + gigpo_charts(metrics)
         + "</div>"
     )
 

@@ -73,11 +73,12 @@ def step(finite: bool, *nets, max_norm: float = 1.0) -> float | None:
     return norms[0] if stepped else None
 
 
-def sampler_gap(train_logp: torch.Tensor, batch: dict, mask: torch.Tensor) -> dict:
+def sampler_gap(train_logp: torch.Tensor, batch: dict, mask: torch.Tensor, prefix: str = "") -> dict:
     """rollout/logprob_diff_mean and _max: how far the sampler's log-probs (batch["gen_logprobs"]) are from the
-    trainer's on the sampled tokens: the train / inference mismatch of a bf16 or vLLM sampler."""
+    trainer's on the sampled tokens: the train / inference mismatch of a bf16 or vLLM sampler. prefix "stale_": from
+    the current policy's, on a batch sampled some updates ago (--rollout-reuse)."""
     gap = common.logprob_mismatch(train_logp, batch["gen_logprobs"], mask)
-    return {"rollout/logprob_diff_mean": gap["mean"], "rollout/logprob_diff_max": gap["max"]}
+    return {f"rollout/{prefix}logprob_diff_mean": gap["mean"], f"rollout/{prefix}logprob_diff_max": gap["max"]}
 
 
 class OnPolicy:
