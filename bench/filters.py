@@ -65,10 +65,10 @@ def summarise_run(rows: list[dict], wall: float) -> dict:
     }
 
 
-def summarise_filters(runs: dict) -> dict:
-    """Per filter, the mean over its seeds (runs keyed "<filter>/seed<n>")."""
+def summarise_filters(runs: dict, variants=FILTERS) -> dict:
+    """Per filter (or other variant: bench/estimators.py), the mean over its seeds (runs keyed "<name>/seed<n>")."""
     by_filter = {}
-    for name in FILTERS:
+    for name in variants:
         group = {key.split("/")[1]: r for key, r in runs.items() if key.startswith(name + "/")}
         if group:
             done = group.values()
@@ -84,13 +84,14 @@ def summarise_filters(runs: dict) -> dict:
     return by_filter
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, variants=FILTERS, kind="filters", description=__doc__) -> None:
+    """kind: what the variants are (the flag that picks some, the JSON's name); bench/estimators.py passes its own."""
+    ap = argparse.ArgumentParser(description=description.split("\n")[0])
     ap.add_argument("task", choices=["bandit", "frozenlake", "sokoban"])
     ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="none: run nothing (with --merge)")
-    ap.add_argument("--filters", nargs="+", choices=list(FILTERS), default=list(FILTERS))
+    ap.add_argument(f"--{kind}", dest="names", nargs="+", choices=list(variants), default=list(variants))
     ap.add_argument(
-        "--out", default=None, help="default bench/results/filters_<task>.json; runs already there are kept"
+        "--out", default=None, help=f"default bench/results/{kind}_<task>.json; runs already there are kept"
     )
     ap.add_argument(
         "--merge",
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument("extra", nargs="*", help="flags for every run, after --")
     args = ap.parse_args(argv)
-    out = Path(args.out or harness.ROOT / "bench" / "results" / f"filters_{args.task}.json")
+    out = Path(args.out or harness.ROOT / "bench" / "results" / f"{kind}_{args.task}.json")
     result = json.loads(out.read_text()) if out.exists() else {"task": args.task, "runs": {}}
     for path in args.merge:
         other = json.loads(Path(path).read_text())
@@ -109,9 +110,9 @@ def main(argv=None) -> None:
             sys.exit(f"--merge {path}: its runs are of {other.get('task')!r}, not {args.task!r}")
         result["runs"].update(other["runs"])
     for seed in args.seeds:
-        for name in args.filters:
-            flags = [*FILTERS[name], "--seed", str(seed), *args.extra]
-            print(f"[filters] starpo_{args.task}.py {' '.join(flags)}", file=sys.stderr, flush=True)
+        for name in args.names:
+            flags = [*variants[name], "--seed", str(seed), *args.extra]
+            print(f"[{kind}] starpo_{args.task}.py {' '.join(flags)}", file=sys.stderr, flush=True)
             run = harness.run_script(f"starpo_{args.task}.py", flags, warm_cache=True)
             result["runs"][f"{name}/seed{seed}"] = {
                 "command": f"python starpo_{args.task}.py {' '.join(flags)}",
@@ -119,9 +120,10 @@ def main(argv=None) -> None:
                 **summarise_run(run["rows"], run["wall"]),
             }
             out.write_text(json.dumps(result, indent=1))  # after every run: a long sweep keeps what it measured
-    result["by_filter"] = summarise_filters(result["runs"])
+    key = "by_filter" if kind == "filters" else "by_variant"
+    result[key] = summarise_filters(result["runs"], variants)
     out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["by_filter"], indent=1))
+    print(json.dumps(result[key], indent=1))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
+import estimators  # noqa: E402
 import filters  # noqa: E402
 
 
@@ -61,3 +62,22 @@ def test_the_filters_means_and_merging_two_sweeps_run_side_by_side(tmp_path):
     assert got["by_filter"]["none"]["kept_ratio_mean"] == 0.0 and "top_p" not in got["by_filter"]
     with pytest.raises(SystemExit, match="of 'sokoban', not 'bandit'"):
         filters.main(["bandit", "--seeds", "--merge", str(a), "--out", str(tmp_path / "x.json")])
+
+
+def test_the_estimator_and_freshness_sweeps_change_one_thing_each(tmp_path):
+    assert estimators.ESTIMATORS == {
+        "turn-grpo": [],  # the tiny preset's estimator: the default command
+        "gigpo": ["--estimator", "gigpo"],
+        "gigpo-h2": ["--estimator", "gigpo", "--gigpo-history", "2"],
+    }
+    assert estimators.FRESHNESS == {
+        "reuse1": [],
+        "reuse2": ["--rollout-reuse", "2"],
+        "reuse4": ["--rollout-reuse", "4"],
+    }
+    run = {"final_val_success": 0.4, "best_val_success": 0.5, "kept_ratio_mean": 0.5, "skipped_steps": 0}
+    a, out = tmp_path / "a.json", tmp_path / "out.json"
+    a.write_text(json.dumps({"task": "frozenlake", "runs": {"reuse2/seed0": {**run, "s_per_step_mean": 9.0}}}))
+    estimators.main(["frozenlake", "--sweep", "freshness", "--seeds", "--merge", str(a), "--out", str(out)])
+    got = json.loads(out.read_text())["by_variant"]
+    assert list(got) == ["reuse2"] and got["reuse2"]["final_val_success_mean"] == 0.4

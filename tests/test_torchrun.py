@@ -31,6 +31,25 @@ def run(out: Path, processes: int, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_gigpo_and_rollout_reuse_on_two_processes_equal_one(tmp_path):
+    """FrozenLake's GiGPO on a batch trained twice (--rollout-reuse 2): the state groups, the reused batch and the
+    stale gap are the same on 2 processes as on 1."""
+    flags = ["--steps", "2", "--n-groups", "3", "--group-size", "4", "--val-size", "4", "--eval-every", "0"]
+    flags += ["--mi-every", "0", "--max-turns", "4", "--estimator", "gigpo", "--rollout-reuse", "2"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    rows = {}
+    for n, extra in ((1, ["--request-seeds"]), (2, [])):
+        cmd = [*launcher(n), "starpo_frozenlake.py", *flags, *extra, "--output-dir", str(tmp_path / str(n))]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows[n] = [json.loads(line) for line in (tmp_path / str(n) / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows[1], rows[2]):
+        assert differing_metrics(a, b) == {}, a["step"]
+        for k in ("rollout/stale_logprob_diff_mean", "actor/grad_norm"):  # the updated weights' float order
+            assert (k in a) == (k in b) and (k not in a or b[k] == pytest.approx(a[k], rel=1e-4)), k
+    assert [r.get("rollout/policy_age") for r in rows[2]] == [None, 0, 1] and "gigpo/step_groups" in rows[2][1]
+
+
 def weights(out: Path, step: int) -> dict:
     return load_file(out / "checkpoints" / f"step-{step:06d}" / "policy" / "model.safetensors")
 

@@ -229,6 +229,19 @@ def test_multi_turn_scripts_train_with_vllm_and_resume(script, tmp_path):
     assert [row["step"] for row in metrics(tmp_path)] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("script", ["starpo_frozenlake.py", "starpo_sokoban.py"])
+def test_gigpo_and_rollout_reuse_run_with_vllm(script, tmp_path):
+    """GiGPO's state groups and a batch trained twice with the engine: at age 1 the old log-probs are the engine's
+    own (the behaviour policy's), and the gap of the updated trainer to them is logged."""
+    flags = [*SMALL, "--max-turns", "5", "--steps", "2", "--estimator", "gigpo", "--rollout-reuse", "2"]
+    r = run_script_file(script, *flags, "--output-dir", str(tmp_path), timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path)[1:]
+    assert [row["rollout/policy_age"] for row in rows] == [0, 1]
+    assert all(row["gigpo/step_groups"] >= 1 for row in rows) and rows[1]["rollout/stale_logprob_diff_mean"] > 0
+    assert rows[0]["rollout/logprob_diff_mean"] < TOL["bfloat16"][0]  # the fresh batch: sampler against trainer
+
+
 def test_the_bandit_learns_with_vllm_generation_and_resumes(tmp_path):
     """12 steps, stopped and resumed at step 6: the weight push reaches the engine (else nothing would be learned)."""
     flags = [
