@@ -193,6 +193,20 @@ def gigpo_advantages(
     return adv, {"step_group_sizes": sizes, "singleton_share": singleton_share, "mean_abs_step_adv": mean_abs}
 
 
+def normalize_then_sum(per_component: list, weights: list[float], eps: float = 1e-6) -> list[list[float]]:
+    """GDPO (arXiv 2601.05242): each rubric component's advantage on its own (z-scored within its group by the
+    estimator), weighted and summed, then the sum normalised over the batch, (x - mean) / (std + eps) over every
+    (episode, turn) entry: [component][episode][turn] -> [episode][turn]. Summing first and normalising after lets a
+    large component hide a small one; here each moves the advantage by its weight. An all-equal sum gives zeros."""
+    summed = [[sum(w * c[i][j] for w, c in zip(weights, per_component)) for j in range(len(row))]
+              for i, row in enumerate(per_component[0])] if per_component else []  # fmt: skip
+    flat = torch.tensor([v for row in summed for v in row], dtype=torch.float64)  # (entries,)
+    if flat.numel() < 2 or flat.max() == flat.min():
+        return [[0.0] * len(row) for row in summed]
+    mean, std = flat.mean().item(), flat.std(unbiased=True).item()
+    return [[(v - mean) / (std + eps) for v in row] for row in summed]
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0):
     """Generalised advantage estimation over token positions, skipping masked (non-trained) positions.
 

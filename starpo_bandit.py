@@ -73,6 +73,12 @@ class Args:
     """which rubric to train with: RUBRICS below (the workshop's deliberately broken variants and their fixes)"""
     rubric_weights: str = ""
     """change RUBRIC's weights by name, e.g. 'env_reward=0,format_reward=1' (weight 0 = log only)"""
+    judge: Optional[str] = None
+    """the rubric's LM judge: a model directory, 'policy' (its starting weights, frozen) or an OpenAI-compatible server's URL (key: $OPENAI_API_KEY); named, its components log even at weight 0; a weighted one without it asks 'policy'"""
+    judge_model_id: Optional[str] = None
+    """--judge URL: the model id to ask for (default: the first one the server lists)"""
+    rubric_norm: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """group-relative estimators: normalise the rubric's weighted sum; or each component within its group first, then the weighted sum over the batch (GDPO)"""
     # ---- algorithm ----
     n_groups: int = 8
     """groups (distinct initial states) per step"""
@@ -142,16 +148,12 @@ class Args:
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
-    empty_stop_steps: int = 5
-    """stop (with a checkpoint) after this many steps in a row whose filter kept no group; 0 = never"""
     mi_every: int = 5
     """collapse diagnostics (RAGEN-2's prompt-reasoning mutual information) every N steps; 0 = off"""
     val_samples: int = 1
     """replies per evaluation episode; > 1 logs val/pass@k (unbiased) for k = 1, 2, 4, ... up to it"""
     sample_every: int = 10
-    """print one rollout with its rubric breakdown every N steps (0 = never)"""
-    log_rollouts_every: int = 10
-    """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
+    """every N steps print one rollout with its rubric breakdown, and log one per group to rollouts.jsonl (0 = never; evaluations always log)"""
 
 
 # --preset: the defaults of every flag you do not give. The paper's are the field defaults above; the tiny model
@@ -176,6 +178,7 @@ SETTINGS = dict(
     lora_alpha=64.0,  # --lora-rank r: the adapters' scale is alpha / r (RAGEN's alpha)
     vllm_dtype="bfloat16",  # the vLLM engine's weights (the trainer keeps float32 master weights; a push casts)
     max_skipped=3,  # stop after this many steps in a row whose updates were skipped (a non-finite loss or gradient)
+    empty_stop_steps=5,  # stop (with a checkpoint) after this many steps in a row whose filter kept no group; 0: never
     filter_stat="std",  # RAGEN-2's filter (common.select_groups): groups ranked by their scores' std ("var")
     filter_prob_mode="linear",  # top_p's mass: the statistic itself ("softmax": its softmax)
     filter_eps=0.01,  # top_p: keep nothing when the statistic's total is under eps / --keep-ratio
@@ -191,8 +194,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
 from common import agg_loss, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, select_groups, value_loss  # noqa: E402
-from plumbing import collapse, contract, cpu, dist, engine, forward, lora, tiny, update  # noqa: E402
-from plumbing.metrics import filter_stats, one_turn_episode_stats, one_turn_reply_stats, pass_stats  # noqa: E402
+from plumbing import collapse, contract, cpu, dist, engine, forward, judge, lora, tiny, update  # noqa: E402
+from plumbing.metrics import advantage_shares, filter_stats, one_turn_episode_stats, one_turn_reply_stats, pass_stats  # noqa: E402
 from plumbing.report import single_turn_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
@@ -310,7 +313,8 @@ class Turn:
     answer: Optional[str]  # inside <answer>...</answer>, None if missing, repeated or unclosed
     payout: float  # what the environment paid (the env_reward component below reads it)
     info: dict  # the environment's info: success, action_is_valid
-    parts: dict = field(default_factory=dict)  # rubric components (unweighted)
+    state: str = ""  # the prompt's game text, the two arms as shown
+    parts: dict = field(default_factory=dict)  # rubric components (unweighted; None: a judge whose judgement failed)
     reward: float = 0.0  # weighted sum of the components
 
 
@@ -335,9 +339,19 @@ def invalid_answer_penalty(t: Turn) -> float:
     return 0.0 if t.info["action_is_valid"] else -1.0
 
 
+# An LM judge (plumbing/judge.py) answers a yes/no question about each reply, read as P(yes) in [0, 1]. Off unless
+# weighted (--rubric-weights high_arm_judged=1) or a judge is named (--judge: then its metrics log at weight 0). The
+# truth beside it is what the environment knows exactly, so every step logs how often the judge is right (judge/*).
+high_arm_judged = judge.Component(
+    "high_arm_judged",
+    "Does the reply choose the arm whose rewards are riskier?",
+    render=lambda t: f"{t.state}\n\nReply: {t.text}",
+    truth=lambda t: t.info["success"],
+)
+
 # (function, weight): the rubric that runs. Weight 0 = computed and logged as rubric/<name>, not part of the reward;
 # {preset: weight} = weighted by preset (a preset not named: 0). --rubric-weights name=w overrides any.
-RUBRIC = [(env_reward, 1.0), (format_reward, 0.1), (invalid_answer_penalty, 0.1)]
+RUBRIC = [(env_reward, 1.0), (format_reward, 0.1), (invalid_answer_penalty, 0.1), (high_arm_judged, 0.0)]
 
 
 # ---- WORKSHOP variants (WORKSHOP.md exercises 2 and 3; chosen with --rubric). Deliberately flawed ones first. ----
@@ -376,10 +390,11 @@ def select_rubric(name: str, preset: str, weights: str) -> tuple[list, dict]:
     return flags.weighted_rubric(rubric, preset, weights)
 
 
-def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float]]:
-    """Turn reward = sum of weight * component; also returns each component's unweighted value for logging."""
-    parts = {fn.__name__: float(fn(t)) for fn, _ in rubric}
-    total = sum(w * parts[fn.__name__] for fn, w in rubric)
+def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float | None]]:
+    """Turn reward = sum of weight * component; also returns each component's unweighted value for logging. A
+    component that gives None (a judge whose judgement failed) is left out of the sum: never a 0, never a 1."""
+    parts = {fn.__name__: None if (v := fn(t)) is None else float(v) for fn, _ in rubric}
+    total = sum(w * parts[fn.__name__] for fn, w in rubric if parts[fn.__name__] is not None)
     return total, parts
 
 
@@ -552,13 +567,15 @@ def rollout(
     for i, reply in zip(fits, generate(asked, temperature, seeds=[request_seeds[i] for i in fits]) if fits else []):
         replies[i] = reply
     stops = set(engine.stop_token_ids(tok))
-    trajs = []
-    for env, seed, state, p_ids, (r_ids, r_logps) in zip(envs, seeds, states, prompts, replies):
+    turns, views = [], [env.describe() for env in envs]
+    for env, state, (r_ids, _) in zip(envs, states, replies):
         text = tok.decode([t for t in r_ids if t not in stops], skip_special_tokens=False)
         think, answer = parse_reply(text)
-        view = env.describe()
         _, reward, _, info = env.step(answer if answer is not None else "")
-        turn = Turn(text=text, think=think, answer=answer, payout=reward, info=info)
+        turns.append(Turn(text=text, think=think, answer=answer, payout=reward, info=info, state=state))
+    judge.prefetch_rubric(rubric, turns)  # the rubric's judges (if any): one batch of questions for every reply
+    trajs = []
+    for turn, seed, state, view, p_ids, (r_ids, r_logps) in zip(turns, seeds, states, views, prompts, replies):
         turn.reward, turn.parts = score_turn(turn, rubric)
         trajs.append(
             Trajectory(
@@ -647,21 +664,35 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
     return view
 
 
-def advantages_of(args: Args, kept_scores, batch: dict, mask, old_values):
-    """(advantages, returns) on the replies' tokens, (N, R) each; returns is None without a critic.
+def advantages_of(args: Args, kept_scores, batch: dict, mask, old_values, trajs: list[Trajectory], rubric: list):
+    """(advantages, returns, metrics) on the replies' tokens, (N, R) each; returns is None without a critic, metrics
+    (grpo, two weighted components or more) each component's share of the advantage (adv_share/<name>).
 
-    kept_scores (K, n): the kept groups' scores, row order = the batch's. grpo: each reply's group-normalised score on
-    all its tokens. gae: the score on the reply's last token, GAE back over the reply, then whitened over the batch.
+    kept_scores (K, n): the kept groups' scores, row order = the batch's (trajs). grpo: each reply's group-normalised
+    score on all its tokens; --rubric-norm normalize_then_sum (GDPO): each component's group-normalised value alone,
+    their weighted sum normalised over the batch (common.normalize_then_sum). gae: the score on the reply's last token,
+    GAE back over the reply, then whitened over the batch.
     """
     (N, R), device = mask.shape, mask.device
     if args.estimator == "grpo":
-        adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1)  # (N,)
-        return adv.to(device)[:, None] * mask, None  # (N, R): one value for every reply token
+        gdpo, weighted = args.rubric_norm == "normalize_then_sum", [(fn.__name__, w) for fn, w in rubric if w]
+        nan = float("nan")  # a failed judgement (None): its group's mean, so no signal, never a 0
+        parts = [torch.tensor([nan if t.parts[k] is None else t.parts[k] for t in trajs]) for k, _ in weighted]
+        parts = [p.double().view_as(kept_scores) for p in parts]  # (K, n) each
+        parts = [torch.where(p.isnan(), p.nanmean(dim=1, keepdim=True), p).nan_to_num(0.0) for p in parts]
+        per = [group_advantages(p, norm_std=gdpo and args.norm_adv_by_std) for p in parts]
+        per = [p.view(-1, 1).tolist() for p in per]  # [component][reply][1]: its own advantage (sum: centred)
+        metrics = advantage_shares(per, weighted) if len(weighted) > 1 else {}
+        if gdpo:
+            adv = torch.tensor(common.normalize_then_sum(per, [w for _, w in weighted])).view(-1)  # (N,)
+        else:
+            adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1)  # (N,)
+        return adv.float().to(device)[:, None] * mask, None, metrics  # (N, R): one value for every reply token
     token_rewards = torch.zeros(N, R, device=device)  # (N, R): the score sits on the last reply token
     last = (batch["rest_len"] - 1).clamp(min=0)  # an empty reply (context overflow) has no token to carry it
     token_rewards[torch.arange(N), last] = kept_scores.view(-1).float().to(device)
     advantages, returns = gae(token_rewards, old_values, mask, args.gamma, SETTINGS["lam"])
-    return masked_whiten(advantages, mask), returns
+    return masked_whiten(advantages, mask), returns, {}
 
 
 ########################################################################################################################
@@ -898,6 +929,7 @@ def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajec
         rollout(generate, tok, seeds, env_kwargs_of(args, "val"), SETTINGS["val_temperature"], room, rubric)
     )
     passes = pass_stats([t.turn.info["success"] for t in trajs], args.val_samples, "val")
+    judge.step_metrics(rubric)  # (the judge's evaluation batches are not logged: judge/* is the training batch's)
     return {**one_turn_episode_stats(trajs, "val"), **passes}, trajs[:: args.val_samples]
 
 
@@ -929,10 +961,11 @@ def main(argv=None):
     recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric, source = select_rubric(args.rubric, args.preset, args.rubric_weights)
+    rubric, judged = judge.setup(rubric, args.judge, args.judge_model_id, model_path, device, args.output_dir)
     write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__} [{source[fn.__name__]}]" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
-    config.update(settings=SETTINGS, component_weights={fn.__name__: w for fn, w in rubric})  # (rubric: charts)
+    config.update(settings=SETTINGS, judge=judged, component_weights={fn.__name__: w for fn, w in rubric})
     run = Run(args, TASK, resume_from, policy, tok, state, config)  # a resumed run's adapters load here
     if llm is not None and args.lora_rank and resume_from:
         vllm_push_weights(llm, policy)  # the engine started from the base model
@@ -959,6 +992,7 @@ def main(argv=None):
             trajs = dist.gather(trajs)  # every rank holds all G x n episodes: the same filter and advantages
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
         record = {"step": step, **one_turn_episode_stats(trajs, "train"), **one_turn_reply_stats(trajs)}
+        record.update(judge.step_metrics(rubric))  # judge/*: how often the judge agreed with the truth
         record.update(pass_stats([t.turn.info["success"] for t in trajs], n, "train"))
         if collapse.due(step, args.mi_every):  # RAGEN-2's template-collapse check, on the batch before the filter
             with run.timer("collapse"):
@@ -973,7 +1007,9 @@ def main(argv=None):
         record.update(filter_stats(scores, stat, kept))
         run.log_groups(step, stat.tolist(), kept)  # groups.jsonl: the report shows each step's groups
         skipped = 0
-        if kept:  # no group left with a signal (RAGEN-2): skip the update; --empty-stop-steps such steps end the run
+        if (
+            kept
+        ):  # no group left with a signal (RAGEN-2): skip the update; SETTINGS' empty_stop_steps such steps end the run
             batch_trajs = [trajs[g * n + j] for g in kept for j in range(n)]  # K * n trajectories
             batch = collate(batch_trajs, tok.pad_token_id, device)
             N, R = batch["reply_mask"].shape
@@ -987,7 +1023,8 @@ def main(argv=None):
                 old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast)  # (N, R) each
 
             # ---- advantages: grpo or gae (see advantages_of), scaled by the kept share if asked ---------------------
-            advantages, returns = advantages_of(args, scores[kept], batch, mask, old["old_values"])  # (N, R) each
+            args_of = (args, scores[kept], batch, mask, old["old_values"], batch_trajs, rubric)
+            advantages, returns, estimated = advantages_of(*args_of)  # (N, R) each
             advantages = advantages * common.filter_loss_scale(len(kept), G, SETTINGS["filter_loss_scaling"])
 
             # ---- PPO update --------------------------------------------------------------------------------------
@@ -1002,18 +1039,17 @@ def main(argv=None):
                     vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
                 if sampler is not policy:
                     sampler.load_state_dict(policy.state_dict())  # the bf16 sampler takes the new weights, cast
-            record.update(stats, **mismatch, **{"rollout/trained_rows": N})
+            record.update(stats, **mismatch, **estimated, **{"rollout/trained_rows": N})
 
         # ---- log ---------------------------------------------------------------------------------------------------
-        if args.sample_every and step % args.sample_every == 0:
+        if args.sample_every and step % args.sample_every == 0:  # one rollout printed, one a group logged
             print_sample(step, trajs[0])
+            run.write_rollouts(single_turn_record(t, step, "train", TASK) for t in trajs[::n])
         if run.eval_due(step):
             with run.timer("eval"):
                 val, val_trajs = evaluate(generate, tok, args, rubric)
             record.update(val)
             run.write_rollouts(single_turn_record(t, step, "val", TASK) for t in val_trajs[:64])
-        if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            run.write_rollouts(single_turn_record(t, step, "train", TASK) for t in trajs[::n])
         run.end_step(step, record, skipped)
     run.finish()
 

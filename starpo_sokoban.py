@@ -83,6 +83,12 @@ class Args:
     """show the model only the first prompt plus the last k >= 1 turns (each turn becomes its own training row); default: the full history"""
     rubric_weights: str = ""
     """change RUBRIC's weights by name, e.g. 'env_reward=0,format_reward=1' (weight 0 = log only)"""
+    judge: Optional[str] = None
+    """the rubric's LM judge: a model directory, 'policy' (its starting weights, frozen) or an OpenAI-compatible server's URL (key: $OPENAI_API_KEY); named, its components log even at weight 0; a weighted one without it asks 'policy'"""
+    judge_model_id: Optional[str] = None
+    """--judge URL: the model id to ask for (default: the first one the server lists)"""
+    rubric_norm: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """group-relative estimators: normalise the rubric's weighted sum; or each component within its group first, then the weighted sum over the batch (GDPO)"""
     # ---- algorithm ----
     n_groups: int = 8
     """groups (distinct initial states) per step"""
@@ -164,16 +170,12 @@ class Args:
     """evaluation episodes (fixed seeds, never trained on)"""
     save_every: int = 25
     """save a checkpoint every N steps (0 = only at the end and on Ctrl-C / SIGTERM)"""
-    empty_stop_steps: int = 5
-    """stop (with a checkpoint) after this many steps in a row whose filter kept no group; 0 = never"""
     mi_every: int = 5
     """collapse diagnostics (RAGEN-2's prompt-reasoning mutual information) every N steps; 0 = off"""
     val_samples: int = 1
     """replies per evaluation episode; > 1 logs val/pass@k (unbiased) for k = 1, 2, 4, ... up to it"""
     sample_every: int = 10
-    """print one rollout with its rubric breakdown every N steps (0 = never)"""
-    log_rollouts_every: int = 10
-    """append one training rollout per group to rollouts.jsonl every N steps (0 = never); evals always log"""
+    """every N steps print one rollout with its rubric breakdown, and log one per group to rollouts.jsonl (0 = never; evaluations always log)"""
 
 
 # --preset: the defaults of every flag you do not give. The paper's are the field defaults above. The tiny model's:
@@ -219,6 +221,7 @@ SETTINGS = dict(
     lora_alpha=64.0,  # --lora-rank r: the adapters' scale is alpha / r (RAGEN's alpha)
     vllm_dtype="bfloat16",  # the vLLM engine's weights (the trainer keeps float32 master weights; a push casts)
     max_skipped=3,  # stop after this many steps in a row whose updates were skipped (a non-finite loss or gradient)
+    empty_stop_steps=5,  # stop (with a checkpoint) after this many steps in a row whose filter kept no group; 0: never
     filter_stat="std",  # RAGEN-2's filter (common.select_groups): groups ranked by their scores' std ("var")
     filter_prob_mode="linear",  # top_p's mass: the statistic itself ("softmax": its softmax)
     filter_eps=0.01,  # top_p: keep nothing when the statistic's total is under eps / --keep-ratio
@@ -234,8 +237,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
 from common import agg_loss, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, select_groups, value_loss  # noqa: E402
-from plumbing import collapse, contract, cpu, dist, engine, forward, lora, tiny, update  # noqa: E402
-from plumbing.metrics import episode_stats, filter_stats, gigpo_stats, pass_stats, reply_stats  # noqa: E402
+from plumbing import collapse, contract, cpu, dist, engine, forward, judge, lora, tiny, update  # noqa: E402
+from plumbing.metrics import advantage_shares, episode_stats, filter_stats, gigpo_stats, pass_stats, reply_stats  # noqa: E402
 from plumbing.report import rollout_record  # noqa: E402
 from plumbing.run import Run, prepare_run_dir, write_line  # noqa: E402
 
@@ -667,6 +670,17 @@ def progress(t: Turn) -> float:
     return float(far(t.before) - far(t.after))
 
 
+# An LM judge (plumbing/judge.py) answers a yes/no question about each turn, read as P(yes) in [0, 1]. Off unless
+# weighted (--rubric-weights think_judged=0.5) or a judge is named (--judge: then its metrics log at weight 0). The
+# truth beside it is world_model's, exact: the think states every world fact right. A reward for reasoning, checked.
+think_judged = judge.Component(
+    "think_judged",
+    "Does the reasoning state the situation shown correctly?",
+    render=lambda t: f"Shown:\n{t.state}\n\nReasoning: {t.think or ''}",
+    truth=lambda t: world_model(t) == 1.0,
+)
+
+
 # (function, weight): the rubric that runs. Weight 0 = computed and logged as rubric/<name>, not part of the reward;
 # {preset: weight} = weighted by preset (a preset not named: 0). --rubric-weights name=w overrides any.
 RUBRIC = [
@@ -676,14 +690,23 @@ RUBRIC = [
     (world_model, 0.0),
     (pick, 0.0),
     (progress, 0.0),
+    (think_judged, 0.0),
 ]
 
 
+def sum_parts(values: list) -> float | None:
+    """One component over an episode's turns: the sum of the values it gave; a turn where it gave None (a failed
+    judgement) is left out, and an episode where it gave nothing but None has None (no value, not 0)."""
+    given = [v for v in values if v is not None]
+    return sum(given) if given or not values else None
+
+
 # Copied from starpo_bandit.score_turn
-def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float]]:
-    """Turn reward = sum of weight * component; also returns each component's unweighted value for logging."""
-    parts = {fn.__name__: float(fn(t)) for fn, _ in rubric}
-    total = sum(w * parts[fn.__name__] for fn, w in rubric)
+def score_turn(t: Turn, rubric: list) -> tuple[float, dict[str, float | None]]:
+    """Turn reward = sum of weight * component; also returns each component's unweighted value for logging. A
+    component that gives None (a judge whose judgement failed) is left out of the sum: never a 0, never a 1."""
+    parts = {fn.__name__: None if (v := fn(t)) is None else float(v) for fn, _ in rubric}
+    total = sum(w * parts[fn.__name__] for fn, w in rubric if parts[fn.__name__] is not None)
     return total, parts
 
 
@@ -944,7 +967,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         replies = generate(
             [c for c, _ in contexts], temperature, turn_cache, seeds=asked and [asked[i] for i in active]
         )
-        still_active = []
+        still_active, made = [], []  # made: this turn's (episode, Turn, done), scored together once all are played
         for i, (_, resume), (r_ids, r_logps) in zip(active, contexts, replies):
             t, env = trajs[i], envs[i]
             state, before, world = obs[i], env.describe(), world_model_think(env)
@@ -983,9 +1006,13 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
                 world,
                 truncated=bool(r_ids) and r_ids[-1] not in stops,
             )
+            made.append((i, turn, done))
+        judge.prefetch_rubric(rubric, [turn for _, turn, _ in made])  # the rubric's judges, if any: one batch a turn
+        for i, turn, done in made:
+            t = trajs[i]
             turn.reward, turn.parts = score_turn(turn, rubric)
             t.turns.append(turn)
-            t.success = infos[-1]["success"] if infos else t.success
+            t.success = turn.infos[-1]["success"] if turn.infos else t.success
             left = args.max_actions_per_traj - t.num_actions
             if done or left <= 0 or turn_no == args.max_turns:
                 continue  # episode over: no observation after the final turn
@@ -1005,7 +1032,7 @@ def rollout(generate, tok, seeds: list[int], args: Args, temperature: float, rub
         active = still_active
     for t in trajs:
         t.score = sum(turn.reward for turn in t.turns)
-        t.parts = {fn.__name__: sum(turn.parts[fn.__name__] for turn in t.turns) for fn, _ in rubric}
+        t.parts = {fn.__name__: sum_parts([turn.parts[fn.__name__] for turn in t.turns]) for fn, _ in rubric}
     return trajs
 
 
@@ -1137,38 +1164,54 @@ def micro_view(batch: dict, idx: torch.Tensor) -> dict:
 HIGH_LEVEL_GAMMA = 0.95  # bi-level-gae: the discount between turns (RAGEN's high_level_gamma)
 
 
-def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: list[Row], mask, old_values):
-    """(advantages, returns, metrics) on the batch's loss columns, (N, T - 1) each; returns is None without a critic,
-    metrics the estimator's own (gigpo: what its state groups saw).
-
-    kept_scores (K, n): the kept groups' trajectory scores; kept_trajs: their K * n trajectories, a group's n in a row.
-    grpo: each trajectory's group-normalised score on all its sampled tokens. turn-grpo: each turn's return-to-go
-    against the same turn of its group (common.turn_group_advantages). gae: each turn's reward on its last sampled
-    token; the observation tokens between turns are masked, so GAE carries the advantage across them and the turns
-    chain into one sequence; then whitened over the batch. gigpo: each turn's episode advantage plus its step advantage
-    against the turns of its group taken from the same anchor state (common.gigpo_advantages, anchors).
-    """
-    n, device = args.group_size, mask.device
-    if args.estimator == "grpo":
-        adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
-        row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
-        return adv[row_traj][:, None] * mask, None, {}  # (N, T - 1): the trajectory's value on its sampled tokens
-    if args.estimator == "gigpo":
-        values, seen = [], []  # each kept trajectory's per-turn advantages; each group's state-group statistics
-        options = (args.gamma, args.gigpo_omega, args.gigpo_norm, args.gigpo_baseline)
-        for group in (kept_trajs[g : g + n] for g in range(0, len(kept_trajs), n)):  # a group: n in a row
-            rewards = [[turn.reward for turn in t.turns] for t in group]
+def group_relative(args: Args, trajs: list[Trajectory], reward) -> tuple[list[list[float]], list[dict]]:
+    """The group-relative estimators' advantage for each turn of trajs (groups of n in a row) from reward(turn): grpo,
+    the episode's group-normalised total on each of its turns; turn-grpo, each turn's return-to-go against the same
+    turn of its group (common.turn_group_advantages); gigpo, the episode's advantage plus the turn's against the
+    group's turns from the same anchor state (common.gigpo_advantages, anchors). Also gigpo's per-group statistics.
+    A reward of None (a failed judgement) takes its group's mean: no signal, never a 0."""
+    n, values, seen = args.group_size, [], []
+    for group in (trajs[g : g + n] for g in range(0, len(trajs), n)):
+        rewards = [[reward(turn) for turn in t.turns] for t in group]
+        given = [v for r in rewards for v in r if v is not None]
+        rewards = [[sum(given) / len(given) if v is None else v for v in r] for r in rewards]
+        if args.estimator == "grpo":
+            totals = torch.tensor([[sum(r) for r in rewards]], dtype=torch.float64)  # (1, n)
+            adv = group_advantages(totals, norm_std=args.norm_adv_by_std)[0].tolist()
+            values += [[a] * len(r) for a, r in zip(adv, rewards)]
+        elif args.estimator == "turn-grpo":
+            values += common.turn_group_advantages(rewards, args.gamma, args.norm_adv_by_std)
+        else:
+            options = (args.gamma, args.gigpo_omega, args.gigpo_norm, args.gigpo_baseline)
             adv, stats = common.gigpo_advantages(rewards, [anchors(t, args.gigpo_history) for t in group], *options)
             values, seen = values + adv, seen + [stats]
-        return place_turn_values(rows, values, mask.shape[1]).to(device) * mask, None, gigpo_stats(seen)
-    if args.estimator == "turn-grpo":
-        per_turn = [[turn.reward for turn in t.turns] for t in kept_trajs]  # each kept trajectory's turn rewards
-        values = [
-            a
-            for g in range(0, len(per_turn), n)
-            for a in common.turn_group_advantages(per_turn[g : g + n], args.gamma, args.norm_adv_by_std)
-        ]  # kept groups are n consecutive trajectories
-        return place_turn_values(rows, values, mask.shape[1]).to(device) * mask, None, {}  # (N, T - 1)
+    return values, seen
+
+
+def advantages_of(args: Args, kept_scores, kept_trajs: list[Trajectory], rows: list[Row], mask, old_values, rubric):
+    """(advantages, returns, metrics) on the batch's loss columns, (N, T - 1) each; returns is None without a critic,
+    metrics the estimator's own (gigpo: what its state groups saw; --rubric-norm: each component's share).
+
+    kept_scores (K, n): the kept groups' trajectory scores; kept_trajs: their K * n trajectories, a group's n in a row.
+    grpo, turn-grpo, gigpo: group_relative on each turn's rubric total (sum_then_normalize), or GDPO's
+    normalize_then_sum: group_relative on each weighted component alone, their weighted sum normalised over the batch
+    (common.normalize_then_sum). gae: each turn's reward on its last sampled token; the observation tokens between
+    turns are masked, so GAE carries the advantage across them and the turns chain into one sequence; then whitened.
+    """
+    device, gdpo = mask.device, args.rubric_norm == "normalize_then_sum"
+    if args.estimator in ("grpo", "turn-grpo", "gigpo"):
+        weighted = [(fn.__name__, w) for fn, w in rubric if w]  # each component's own advantage: GDPO's, or for
+        plain = args if gdpo else replace(args, norm_adv_by_std=False, gigpo_norm="mean")  # its share (centred)
+        per = [group_relative(plain, kept_trajs, lambda turn, k=k: turn.parts[k])[0] for k, _ in weighted]
+        metrics = advantage_shares(per, weighted) if len(weighted) > 1 else {}
+        if args.estimator == "grpo" and not gdpo:
+            adv = group_advantages(kept_scores, norm_std=args.norm_adv_by_std).view(-1).float().to(device)  # (K * n,)
+            row_traj = torch.tensor([r.traj for r in rows], device=device)  # (N,): which kept trajectory each row is
+            return adv[row_traj][:, None] * mask, None, metrics  # (N, T - 1): the trajectory's value on its tokens
+        values, seen = group_relative(args, kept_trajs, lambda turn: turn.reward)
+        if gdpo:  # (the totals' gigpo statistics still log)
+            values = common.normalize_then_sum(per, [w for _, w in weighted])
+        return place_turn_values(rows, values, mask.shape[1]).to(device) * mask, None, {**gigpo_stats(seen), **metrics}
     token_rewards = place_rewards(rows, kept_trajs, mask.shape[1]).to(device)  # (N, T - 1)
     if args.estimator == "bi-level-gae":  # the turn ends from the turn structure (RAGEN: "reward != 0", see common)
         ends = [[last - 1 for last in r.last_index] for r in rows]  # column of each turn's last sampled token
@@ -1420,6 +1463,7 @@ def evaluate(generate, tok, args: Args, rubric: list) -> tuple[dict, list[Trajec
     seeds = [10**9 + i for i in dist.block(args.val_size) for _ in range(args.val_samples)]  # torchrun: a block each
     trajs = dist.gather(rollout(generate, tok, seeds, args, SETTINGS["val_temperature"], rubric))
     passes = pass_stats([t.success for t in trajs], args.val_samples, "val")
+    judge.step_metrics(rubric)  # (the judge's evaluation batches are not logged: judge/* is the training batch's)
     return {**episode_stats(trajs, "val"), **passes}, trajs[:: args.val_samples]
 
 
@@ -1456,10 +1500,11 @@ def main(argv=None):
     recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric, source = flags.weighted_rubric(RUBRIC, args.preset, args.rubric_weights)
+    rubric, judged = judge.setup(rubric, args.judge, args.judge_model_id, model_path, device, args.output_dir)
     write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__} [{source[fn.__name__]}]" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
-    config.update(settings=SETTINGS, component_weights={fn.__name__: w for fn, w in rubric})  # (rubric: charts)
+    config.update(settings=SETTINGS, judge=judged, component_weights={fn.__name__: w for fn, w in rubric})
     run = Run(args, TASK, resume_from, policy, tok, state, config)  # a resumed run's adapters load here
     if llm is not None and args.lora_rank and resume_from:
         vllm_push_weights(llm, policy)  # the engine started from the base model
@@ -1489,7 +1534,7 @@ def main(argv=None):
                 trajs = rollout(generate, tok, seeds, args, SETTINGS["temperature"], rubric)
                 trajs = dist.gather(trajs)  # every rank holds all G x n episodes: the same filter and advantages
         scores = torch.tensor([t.score for t in trajs], dtype=torch.float64).view(G, n)  # (G, n)
-        record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs)}
+        record = {"step": step, **episode_stats(trajs, "train"), **reply_stats(trajs), **judge.step_metrics(rubric)}
         record.update(pass_stats([t.success for t in trajs], n, "train"))
         if collapse.due(step, args.mi_every):  # RAGEN-2's template-collapse check, on the batch before the filter
             with run.timer("collapse"):
@@ -1504,7 +1549,9 @@ def main(argv=None):
         record.update(filter_stats(scores, stat, kept))
         run.log_groups(step, stat.tolist(), kept)  # groups.jsonl: the report shows each step's groups
         skipped = 0
-        if kept:  # no group left with a signal (RAGEN-2): skip the update; --empty-stop-steps such steps end the run
+        if (
+            kept
+        ):  # no group left with a signal (RAGEN-2): skip the update; SETTINGS' empty_stop_steps such steps end the run
             kept_trajs = [trajs[g * n + j] for g in kept for j in range(n)]  # K * n trajectories
             rows = training_rows(kept_trajs, args.max_context_turns)  # one per trajectory, or one per turn
             batch = collate(rows, tok.pad_token_id, device)
@@ -1517,10 +1564,9 @@ def main(argv=None):
             with run.timer("logprob"):
                 old, mismatch = old_logprobs(policy, ref, critic, batch, mask, args, recompute, autocast, age)
 
-            # ---- advantages: grpo, turn-grpo, gae or bi-level-gae (see advantages_of), scaled if asked ------------
-            advantages, returns, estimated = advantages_of(
-                args, scores[kept], kept_trajs, rows, mask, old["old_values"]
-            )
+            # ---- advantages: grpo, turn-grpo, gigpo, gae or bi-level-gae (see advantages_of), scaled if asked ------
+            args_of = (args, scores[kept], kept_trajs, rows, mask, old["old_values"], rubric)
+            advantages, returns, estimated = advantages_of(*args_of)  # (N, T - 1) each
             shrink = common.filter_loss_scale(len(kept), G, SETTINGS["filter_loss_scaling"])  # 1 unless set
             advantages = advantages * shrink  # (N, T - 1)
 
@@ -1539,15 +1585,14 @@ def main(argv=None):
             record.update(stats, **mismatch, **estimated, **{"rollout/trained_rows": len(rows)})
 
         # ---- log ---------------------------------------------------------------------------------------------------
-        if args.sample_every and step % args.sample_every == 0:
+        if args.sample_every and step % args.sample_every == 0:  # one rollout printed, one a group logged
             print_sample(step, trajs[0])
+            run.write_rollouts(rollout_record(t, step, "train", TASK) for t in trajs[::n])
         if run.eval_due(step):
             with run.timer("eval"):
                 val, val_trajs = evaluate(generate, tok, args, rubric)
             record.update(val, **scale)
             run.write_rollouts(rollout_record(t, step, "val", TASK) for t in val_trajs[:64])
-        if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            run.write_rollouts(rollout_record(t, step, "train", TASK) for t in trajs[::n])
         run.end_step(step, record, skipped)
     run.finish(f" (random {scale['val/random_success']:.3f}, optimal {scale['val/optimal_success']:.3f})")
 

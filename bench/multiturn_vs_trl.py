@@ -48,7 +48,7 @@ def starpo_flags(steps: int, val_size: int, seed: int, keep_ratio: float | None 
     flags = ["--preset", "tiny", "--algo", "starpo-s", "--estimator", "grpo", "--no-slippery", "--backend", "hf"]
     flags += ["--device", "cpu", "--precision", "fp32"]  # TRL trains in float32 here (bf16=False): like for like
     flags += ["--steps", str(steps), "--eval-every", str(steps), "--val-size", str(val_size)]
-    flags += ["--seed", str(seed), "--sample-every", "0", "--log-rollouts-every", "0", "--kl-coef", "0"]
+    flags += ["--seed", str(seed), "--sample-every", "0", "--kl-coef", "0"]
     return flags + (["--keep-ratio", str(keep_ratio)] if keep_ratio is not None else [])
 
 

@@ -153,8 +153,6 @@ def matched_settings(
         str(seed),
         "--sample-every",
         "0",
-        "--log-rollouts-every",
-        "0",
     ]
     grpo_config = dict(
         # batch geometry: one optimizer step = n_groups prompts x group_size completions

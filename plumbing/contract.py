@@ -17,14 +17,20 @@ ARGS = {
     **dict.fromkeys(("kl_coef", "top_p", "max_tokens", "max_model_len", "val_size", "val_samples"), "flags.py"),
     **dict.fromkeys(("ppo_epochs", "mini_batch_size", "micro_batch_size", "lora_rank", "tis_cap"), "flags.py"),
     **dict.fromkeys(("vllm_sleep", "vllm_gpu_memory_utilization", "request_seeds", "mi_every"), "flags.py"),
-    **dict.fromkeys(("steps", "eval_every", "save_every", "empty_stop_steps", "sample_every"), "run.py"),
-    **dict.fromkeys(("seed", "log_rollouts_every"), "run.py"),
+    **dict.fromkeys(("judge", "judge_model_id", "rubric_norm"), "flags.py"),
+    **dict.fromkeys(("steps", "eval_every", "save_every", "sample_every"), "run.py"),
+    **dict.fromkeys(("seed",), "run.py"),
 }
 MULTI_TURN_ARGS = {  # and those flags.multi_turn_checks reads of the multi-turn scripts
     **dict.fromkeys(("max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_context_turns"), "flags.py"),
     **dict.fromkeys(("gigpo_history", "gigpo_omega", "rollout_reuse"), "flags.py"),
 }
-SETTINGS = {"temperature": "collapse.py", "max_skipped": "run.py", "filter_stat": "run.py"}
+SETTINGS = {
+    "temperature": "collapse.py",
+    "max_skipped": "run.py",
+    "filter_stat": "run.py",
+    "empty_stop_steps": "run.py",
+}
 # Trajectory and Turn fields (or properties) of each kind of script: multi-turn (FrozenLake, Sokoban) and one-turn
 # (the bandit), and the plumbing module that reads each (metrics.py: the logged statistics; report.py: rollouts.jsonl).
 MULTI_TURN = {

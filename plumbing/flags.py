@@ -287,7 +287,6 @@ def common_checks(args) -> list[tuple[str, bool, str]]:
             if args.filter == "top_k_abs"
             else f"must be in (0, 1], got {args.keep_ratio}",
         ),
-        ("--empty-stop-steps", args.empty_stop_steps >= 0, "must be >= 0"),
         ("--mi-every", args.mi_every >= 0, "must be >= 0"),
         ("--lora-rank", args.lora_rank >= 0, f"must be >= 0 (0 = full fine-tuning), got {args.lora_rank}"),
         ("--val-samples", args.val_samples >= 1, "must be >= 1"),
@@ -304,11 +303,20 @@ def common_checks(args) -> list[tuple[str, bool, str]]:
         ("--micro-batch-size", args.micro_batch_size >= 1, "must be >= 1"),
         ("--eval-every", args.eval_every >= 0, "must be >= 0"),
         ("--save-every", args.save_every >= 0, "must be >= 0"),
-        ("--log-rollouts-every", args.log_rollouts_every >= 0, "must be >= 0"),
         ("--sample-every", args.sample_every >= 0, "must be >= 0"),
         ("--overwrite", not (args.overwrite and args.resume), "cannot be combined with --resume"),
         ("--vllm-gpu-memory-utilization", 0 < args.vllm_gpu_memory_utilization < 1, "must be in (0, 1)"),
         ("--tis-cap", args.tis_cap == 0 or args.tis_cap >= 1, f"must be >= 1 (or 0 = off), got {args.tis_cap}"),
+        (
+            "--rubric-norm",
+            args.rubric_norm == "sum_then_normalize" or args.estimator in ("grpo", "turn-grpo", "gigpo"),
+            f"normalize_then_sum needs a group-relative estimator (grpo, turn-grpo, gigpo), not {args.estimator}",
+        ),
+        (
+            "--judge-model-id",
+            args.judge_model_id is None or str(args.judge).startswith(("http://", "https://")),
+            "names the model of a judge server: give --judge URL too",
+        ),
     ]
 
 

@@ -547,3 +547,77 @@ class CachedJudge:
             self.cache.put(fresh)
             known.update(fresh)
         return [known[k] for k in keys]
+
+
+########################################################################################################################
+# A script's rubric and its judges: which run, one batch a turn, the step's metrics
+########################################################################################################################
+
+
+def make(spec: str | None, model_id: str | None, policy_path: str, device: str, cache_path: Path):
+    """The judge a run asks, from --judge (spec) and --judge-model-id, cached in cache_path (judge_cache.jsonl):
+    'policy' or None, the policy's own starting weights (frozen: the judge never learns with the policy); a URL
+    (http:// or https://), an OpenAI-compatible server (model_id, else the first model its /v1/models lists; the key
+    from $OPENAI_API_KEY); anything else, a local model directory."""
+    if spec and spec.startswith(("http://", "https://")):
+        backend = HTTPJudge(spec, model_id or served_model(spec))
+    else:
+        path = policy_path if spec in (None, "policy") else spec
+        backend = LocalJudge(path, device=device, model_id=None if spec in (None, "policy") else spec)
+    return CachedJudge(backend, Cache(cache_path))
+
+
+def served_model(base_url: str, timeout_s: float = 10.0) -> str:
+    """The first model id an OpenAI-compatible server lists (GET /v1/models); SystemExit in one line if none."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return json.loads(r.read())["data"][0]["id"]
+    except Exception as e:  # noqa: BLE001 - unreachable, not JSON, no model: say so and stop
+        raise SystemExit(f"error: --judge: no model listed at {url} ({type(e).__name__}); give --judge-model-id") from e
+
+
+def setup(rubric: list, spec: str | None, model_id: str | None, policy_path: str, device: str, run_dir: Path):
+    """The rubric that runs (`running`) with its judge attached, and for config.json (None: no judge component runs)
+    the judge's description and the judge components that are rewarded (weight != 0: Run warns when one of them
+    rises while the judge's agreement with the truth falls). The judge: `make`, cached in run_dir/judge_cache.jsonl."""
+    rubric = running(rubric, spec is not None)
+    if not any(isinstance(fn, Component) for fn, _ in rubric):
+        return rubric, None
+    backend = make(spec, model_id, policy_path, device, Path(run_dir) / "judge_cache.jsonl")
+    attach(rubric, backend)
+    rewarded = [fn.__name__ for fn, w in rubric if isinstance(fn, Component) and w]  # the reward-hacking warning's
+    return rubric, {"judge": backend.describe(), "rewarded": rewarded}
+
+
+def running(rubric: list, weights_on: bool) -> list:
+    """The rubric that runs: a judge component stays when it is weighted or when a judge was asked for (--judge:
+    weights_on), else it leaves the rubric (its judge is never called, and nothing of it is logged)."""
+    return [(fn, w) for fn, w in rubric if not isinstance(fn, Component) or w or weights_on]
+
+
+def attach(rubric: list, judge) -> None:
+    """Every judge component of the rubric asks `judge` (one judge a run)."""
+    for fn, _ in rubric:
+        if isinstance(fn, Component):
+            fn.judge, fn.pending = judge, []
+
+
+def prefetch_rubric(rubric: list, turns: list) -> None:
+    """Before the rubric scores `turns`: every judge component's questions about them, in one batch (prefetch); the
+    batch's metrics wait on the components for `step_metrics`. No judge component: nothing happens."""
+    components = [fn for fn, _ in rubric if isinstance(fn, Component)]
+    if components and turns:
+        components[0].pending.append(prefetch(components[0].judge, components, turns))
+
+
+def step_metrics(rubric: list) -> dict:
+    """The judge/* metrics of every batch since the last call (a step's rollout; torchrun: every process's, so every
+    process calls it at the same point), rates only; {} without judges or judged turns."""
+    from plumbing import dist  # (torch: imported here, so that this module imports in milliseconds)
+
+    components = [fn for fn, _ in rubric if isinstance(fn, Component)]
+    if not components:
+        return {}
+    batches, components[0].pending = dist.gather(components[0].pending), []
+    return {k: v for k, v in combine(*batches).items() if "/n_" not in k} if batches else {}

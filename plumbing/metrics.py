@@ -45,7 +45,7 @@ def reply_stats(trajs: list) -> dict:
         "response_length/mean": statistics.mean(replies) if replies else 0.0,
         "think_length/mean": statistics.mean(thinks) if thinks else 0.0,
         "sequence_length/mean": statistics.mean(len(t.ids) for t in trajs),
-        **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
+        **rubric_means(trajs),
     }
 
 
@@ -69,8 +69,15 @@ def one_turn_reply_stats(trajs: list) -> dict:
         "response_length/mean": statistics.mean(len(t.reply_ids) for t in trajs),
         "think_length/mean": statistics.mean(len(t.turn.think or "") for t in trajs),
         "sequence_length/mean": statistics.mean(len(t.prompt_ids) + len(t.reply_ids) for t in trajs),
-        **{f"rubric/{k}": statistics.mean(t.parts[k] for t in trajs) for k in trajs[0].parts},
+        **rubric_means(trajs),
     }
+
+
+def rubric_means(trajs: list) -> dict:
+    """rubric/<name>: each component's per-episode value (summed over its turns), averaged over the episodes that have
+    one: a judge's failed judgements (None) are left out, never counted as 0; a component with no value is not logged."""
+    values = {k: [t.parts[k] for t in trajs if t.parts[k] is not None] for k in trajs[0].parts}
+    return {f"rubric/{k}": statistics.mean(v) for k, v in values.items() if v}
 
 
 def filter_stats(scores: torch.Tensor, stat: torch.Tensor, kept: list[int]) -> dict:
@@ -120,3 +127,14 @@ def gigpo_stats(groups: list[dict]) -> dict:
         "gigpo/abs_step_adv_mean": statistics.mean(v for vs in per_turn.values() for v in vs),
     }
     return out | {f"gigpo/abs_step_adv_turn_{j}": statistics.mean(vs) for j, vs in sorted(per_turn.items())}
+
+
+def advantage_shares(per_component: list, weighted: list[tuple[str, float]]) -> dict:
+    """adv_share/<name>: each weighted component's share of the advantage, mean |w * A_c| over every (episode, turn)
+    entry divided by the sum of those means over the components (A_c: the component's advantage on its own; under
+    sum_then_normalize its group-centred part of the total, under GDPO's normalize_then_sum its z-score). A component
+    a sum hides shows here as a share near 0."""
+    flat = [[abs(v) for row in adv for v in row] for adv in per_component]  # each component's |A| entries
+    means = [abs(w) * sum(a) / len(a) if a else 0.0 for (_, w), a in zip(weighted, flat)]
+    total = sum(means)
+    return {f"adv_share/{name}": m / total if total else 0.0 for (name, _), m in zip(weighted, means)}

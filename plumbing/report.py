@@ -189,7 +189,12 @@ COLOURS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#db2777"]  # 
 BASELINE_COLOURS = {"random": "#6b7280", "optimal": "#059669"}
 WARN_COLOUR = "#dc2626"
 # warn/<kind> (run.collapse_warnings) -> the colour of its markers; each chart names the kinds it concerns
-WARNINGS = {"echo_trap": WARN_COLOUR, "gradient_spike": "#d97706", "template_collapse": "#c026d3"}
+WARNINGS = {
+    "echo_trap": WARN_COLOUR,
+    "gradient_spike": "#d97706",
+    "template_collapse": "#c026d3",
+    "reward_hacking": "#0f766e",
+}
 SKIP_COLOUR = "#6b7280"  # a step the filter left empty (nothing trained)
 KEPT_COLOUR, DROPPED_COLOUR = "#0d9488", "#cbd5e1"  # the filter view's bars
 HEAT_LOW, HEAT_HIGH = (247, 251, 255), (8, 48, 107)  # the heatmap's colour scale, low to high log-prob (RGB)
@@ -379,10 +384,39 @@ def charts(metrics: list[dict], config: dict) -> list[str]:
             note=CLIP_NOTE if clip_values and not any(clip_values) else "",
         ),
     ]
+    if "judge/agreement" in logged or "judge/fail_frac" in logged:  # the judge against the truth (plumbing/judge.py)
+        judge_keys = [
+            ("judge/agreement", "agreement"),
+            ("judge/false_positive", "false yes"),
+            ("judge/false_negative", "false no"),
+        ]
+        out.append(
+            chart(
+                "Judge against the truth",
+                [*judge_keys, ("val/success", "val/success")],
+                "share",
+                (0.0, 1.0),
+                warn=("reward_hacking",),
+            )
+        )
+        out.append(
+            chart("Judge failures", [("judge/fail_frac", "failed judgements")], "share of questions", (0.0, 1.0))
+        )
+    shares = sorted(k for k in logged if k.startswith("adv_share/"))
+    if shares:  # each weighted component's share of the advantage (--rubric-norm's two ways to mix them)
+        out.append(
+            chart(
+                "Advantage share by component",
+                [(k, k.removeprefix("adv_share/")) for k in shares[:6]],
+                "share",
+                (0.0, 1.0),
+            )
+        )
     weights = config.get("component_weights") if isinstance(config.get("component_weights"), dict) else {}
     for k in sorted(k for k in logged if k.startswith("rubric/")):
         w = number(weights.get(k.removeprefix("rubric/")))
-        out.append(chart(k + ("" if w is None else f"  (weight {fmt(w)})"), [(k, "train")], "mean (unweighted)"))
+        title = k + ("" if w is None else f"  (weight {fmt(w)})")
+        out.append(chart(title, [(k, "train")], "mean (unweighted)", warn=("reward_hacking",)))
     return out
 
 

@@ -43,6 +43,8 @@ HISTORY_KEYS = (
     "collapse/marginal_std_ema_seq",
     "collapse/retrieval_accuracy",
     "collapse/retrieval_chance_level",
+    "judge/agreement",
+    "val/success",
 )
 
 
@@ -217,6 +219,8 @@ class Run:
         would read it back as that flag)."""
         self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
         self.settings = config["settings"]  # the script's SETTINGS: what no flag changes
+        judged = config.get("judge") or {}  # judge components the rubric rewards: their curves, for the warnings
+        self.history_keys = (*HISTORY_KEYS, *(f"rubric/{name}" for name in judged.get("rewarded", ())))
         if policy is not None:
             write_line(parameter_line(policy, state.get("critic")))
         if config.get("backend") == "vllm":  # vLLM's CPU kernels run in this process on threads of their own choosing
@@ -341,7 +345,7 @@ class Run:
         if "rollout" in timings:  # the rollout's time that was not generation: the environment and tokenising
             timings["env"] = timings.pop("rollout") - timings.get("gen", 0.0)
         record.update({f"timing_s/{k}": v for k, v in timings.items()})
-        self.history.append({k: v for k, v in record.items() if k in HISTORY_KEYS})
+        self.history.append({k: v for k, v in record.items() if k in self.history_keys})
         if skipped:
             write_line(
                 f"[step {step}] skipped {skipped} update(s): non-finite loss or gradient "
@@ -377,11 +381,12 @@ class Run:
                 f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient (SETTINGS['max_skipped']); "
                 f"nothing saved. Last good checkpoint: {latest_checkpoint(self.out_dir) or 'none'}",
             )
-        if args.empty_stop_steps and self.empty_in_a_row >= args.empty_stop_steps:  # RAGEN-2's early stop
+        empty_stop = self.settings["empty_stop_steps"]
+        if empty_stop and self.empty_in_a_row >= empty_stop:  # RAGEN-2's early stop
             self.stopped_at = step
             write_line(
                 f"stopped after step {step}: the filter kept no group for {self.empty_in_a_row} steps in a row "
-                f"(every group's rewards agreed: nothing left to learn from; --empty-stop-steps); "
+                f"(every group's rewards agreed: nothing left to learn from; SETTINGS['empty_stop_steps']); "
                 f"checkpoint {self.checkpoint(step)}"
             )
         elif step == args.steps or (args.save_every and step % args.save_every == 0) or self.stop.requested:
@@ -467,6 +472,11 @@ def collapse_warnings(history: list[dict], warned: set) -> list[tuple[str, str]]
     * template_collapse: the reasoning stops depending on the prompt. Over the steps that carry
       collapse/mi_zscore_ema, once at least 4 measurements exist, when the mean of the last 2 is below 30% of the
       best earlier value (before those 2) and that best value exceeds 0.5; once per run.
+    * reward_hacking: a judge component the rubric rewards keeps rising while the judge's agreement with the truth or
+      val/success falls: the policy pleases the judge instead of doing the task. From 20 steps of its curve, when its
+      mean over the last 10 steps exceeds its mean over the 10 before by more than 0.05 and either judge/agreement's
+      mean fell by more than 0.05 between the same windows or the last val/success is more than 0.05 under the best
+      earlier one; once per run. (history carries rubric/<name> only for the rewarded judge components.)
     """
     out = []
     stds, W = [v for h in history if math.isfinite(v := h.get("rollout/in_group_std", math.nan))], 10
@@ -494,4 +504,23 @@ def collapse_warnings(history: list[dict], warned: set) -> list[tuple[str, str]]
             fell = f"MI z-score (EMA) fell from {top:.2f} (step {best.get('step', '?')}) to {recent:.2f}"
             why = f"the reasoning stops depending on the prompt (retrieval {acc:.2f} vs chance {chance:.2f})"
             out.append(("template_collapse", f"{fell}; {why}"))
+    for key in sorted({k for h in history for k in h if k.startswith("rubric/")}):
+        if "reward_hacking" in warned:
+            break
+        window = [h for h in history if math.isfinite(h.get(key, math.nan))][-2 * W :]
+        if len(window) < 2 * W:
+            continue
+        rose = (statistics.mean(h[key] for h in window[:W]), statistics.mean(h[key] for h in window[W:]))
+        agreed = [[h.get("judge/agreement", math.nan) for h in part] for part in (window[:W], window[W:])]
+        agreed = [statistics.mean(a) if all(map(math.isfinite, a)) else math.nan for a in agreed]
+        vals = [v for h in history if math.isfinite(v := h.get("val/success", math.nan))]
+        fell_agree = agreed[0] - agreed[1] > 0.05
+        fell_val = len(vals) >= 2 and max(vals[:-1]) - vals[-1] > 0.05
+        if rose[1] - rose[0] > 0.05 and (fell_agree or fell_val):
+            warned.add("reward_hacking")
+            why = [f"agreement with the truth {agreed[0]:.2f} -> {agreed[1]:.2f}"] if fell_agree else []
+            why += [f"val/success {max(vals[:-1]):.2f} -> {vals[-1]:.2f}"] if fell_val else []
+            name = key.removeprefix("rubric/")
+            msg = f"the judged {name} rose {rose[0]:.2f} -> {rose[1]:.2f} while {' and '.join(why)} fell"
+            out.append(("reward_hacking", msg + ": the policy may be pleasing the judge, not doing the task"))
     return out

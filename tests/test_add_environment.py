@@ -94,7 +94,7 @@ def test_the_recipe_trains_a_new_environment_for_one_step(tmp_path):
         "3",
         "--eval-every",
         "1",
-        "--log-rollouts-every",
+        "--sample-every",
         "1",
         "--output-dir",
         str(out),

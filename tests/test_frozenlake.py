@@ -717,20 +717,7 @@ def test_tiny_warmup_is_random_and_format_correct():
 
 # ---- flags and whole-script runs ---------------------------------------------------------------------------------
 
-SMALL = [
-    "--val-size",
-    "6",
-    "--n-groups",
-    "2",
-    "--group-size",
-    "3",
-    "--eval-every",
-    "1",
-    "--sample-every",
-    "1",
-    "--log-rollouts-every",
-    "1",
-]
+SMALL = ["--val-size", "6", "--n-groups", "2", "--group-size", "3", "--eval-every", "1", "--sample-every", "1"]
 
 
 def run_script(*flags, timeout=600):
@@ -1008,7 +995,7 @@ def test_a_weight_edited_in_a_copy_of_the_script_is_the_weight_trained(tmp_path)
     (tmp_path / "starpo_frozenlake.py").write_text(src.replace(old, "    (progress, 0.2),"))
     out = tmp_path / "run"
     flags = ["--steps", "1", "--n-groups", "2", "--group-size", "4", "--val-size", "4", "--eval-every", "0"]
-    flags += ["--sample-every", "0", "--log-rollouts-every", "1", "--output-dir", str(out)]
+    flags += ["--sample-every", "1", "--output-dir", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))  # the copy imports common and plumbing from the repository
     r = subprocess.run(
         [sys.executable, str(tmp_path / "starpo_frozenlake.py"), *flags],

@@ -121,16 +121,16 @@ def test_bandit_top_p_run_logs_ragens_filter_metrics_and_each_steps_groups(tmp_p
 
 def test_a_step_with_no_signal_is_skipped_and_empty_steps_in_a_row_end_the_run(tmp_path):
     zero = "env_reward=0,format_reward=0,invalid_answer_penalty=0"  # every score 0: no group carries a signal
-    flags = [*QUICK[2:], "--steps", "6", "--algo", "starpo-s2", "--rubric-weights", zero, "--empty-stop-steps", "3"]
+    flags = [*QUICK[2:], "--steps", "7", "--algo", "starpo-s2", "--rubric-weights", zero]  # SETTINGS: 5 in a row
     r = run_script_file("starpo_bandit.py", *flags, "--output-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "stopped after step 3: the filter kept no group for 3 steps in a row" in r.stdout + r.stderr
+    assert "stopped after step 5: the filter kept no group for 5 steps in a row" in r.stdout + r.stderr
     rows = rows_of(tmp_path / "metrics.jsonl")[1:]
-    assert [m["step"] for m in rows] == [1, 2, 3]
-    assert [m["rollout/consecutive_empty_after_filter_steps"] for m in rows] == [1, 2, 3]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5] and sb.SETTINGS["empty_stop_steps"] == 5
+    assert [m["rollout/consecutive_empty_after_filter_steps"] for m in rows] == [1, 2, 3, 4, 5]
     assert all(m["rollout/empty_after_filter"] == 1 and "actor/pg_loss" not in m for m in rows)
-    assert (tmp_path / "checkpoints" / "step-000003").is_dir() or any(tmp_path.rglob("step-000003"))
-    assert "done: 3 steps" in r.stdout + r.stderr
+    assert (tmp_path / "checkpoints" / "step-000005").is_dir() or any(tmp_path.rglob("step-000005"))
+    assert "done: 5 steps" in r.stdout + r.stderr
 
 
 def test_collapse_diagnostics_and_pass_at_k_in_a_bandit_run(tmp_path):

@@ -636,20 +636,7 @@ def test_resume_needs_a_run_and_a_run_needs_resume_or_overwrite(smoke_run, tmp_p
 
 # ---- whole-script runs -------------------------------------------------------------------------------------------
 
-SMOKE = [
-    "--eval-every",
-    "1",
-    "--val-size",
-    "4",
-    "--n-groups",
-    "2",
-    "--group-size",
-    "2",
-    "--sample-every",
-    "1",
-    "--log-rollouts-every",
-    "1",
-]
+SMOKE = ["--eval-every", "1", "--val-size", "4", "--n-groups", "2", "--group-size", "2", "--sample-every", "1"]
 EXPECTED_KEYS = {
     "train/success",
     "train/reward",

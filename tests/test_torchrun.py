@@ -102,11 +102,11 @@ def test_resume_from_one_process_on_two(one, tmp_path):
 
 def test_an_empty_step_is_skipped_by_every_process(tmp_path):
     """Every score 0: no group has a signal, top-p keeps none, and both processes skip the step together (a process
-    that went on to the update would wait for the other forever); two empty steps in a row end the run."""
+    that went on to the update would wait for the other forever); five empty steps in a row (SETTINGS) end the run."""
     zero = ["--algo", "starpo-s2", "--rubric-weights", "env_reward=0,format_reward=0,invalid_answer_penalty=0"]
-    rows = run(tmp_path, 2, *zero, "--empty-stop-steps", "2", "--steps", "4")
+    rows = run(tmp_path, 2, *zero, "--steps", "7", "--eval-every", "0")
     steps = [r for r in rows if "rollout/empty_after_filter" in r]
-    assert [r["step"] for r in steps] == [1, 2] and all(r["rollout/empty_after_filter"] == 1 for r in steps)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and all(r["rollout/empty_after_filter"] == 1 for r in steps)
     assert all(not any(k.startswith("actor/") for k in r) for r in steps)  # no update ran
 
 

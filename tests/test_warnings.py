@@ -153,7 +153,6 @@ class Args:
     steps: int = 100
     eval_every: int = 0
     save_every: int = 0
-    empty_stop_steps: int = 5
     filter: str = "top_p"
     keep_ratio: float = 0.9
 
@@ -161,7 +160,7 @@ class Args:
 @pytest.fixture
 def run(tmp_path):
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    settings = dict(max_skipped=3, filter_stat="std")  # what Run reads of a script's SETTINGS
+    settings = dict(max_skipped=3, filter_stat="std", empty_stop_steps=5)  # what Run reads of a script's SETTINGS
     r = plumbing_run.Run(Args(str(tmp_path)), "frozenlake", None, None, None, {}, {"settings": settings})
     r.bar = SimpleNamespace(set_postfix=lambda _: None)
     yield r
