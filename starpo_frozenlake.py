@@ -1403,7 +1403,7 @@ def main(argv=None):
     write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__} [{source[fn.__name__]}]" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)
-    config.update(settings=SETTINGS, judge=judged, component_weights={fn.__name__: w for fn, w in rubric})
+    config.update(settings=SETTINGS, judged=judged, component_weights={fn.__name__: w for fn, w in rubric})
     run = Run(args, TASK, resume_from, policy, tok, state, config)  # a resumed run's adapters load here
     if llm is not None and args.lora_rank and resume_from:
         vllm_push_weights(llm, policy)  # the engine started from the base model

@@ -219,7 +219,7 @@ class Run:
         would read it back as that flag)."""
         self.args, self.script, self.policy, self.tok = args, f"starpo_{task}.py", policy, tok
         self.settings = config["settings"]  # the script's SETTINGS: what no flag changes
-        judged = config.get("judge") or {}  # judge components the rubric rewards: their curves, for the warnings
+        judged = config.get("judged") or {}  # judge components the rubric rewards: their curves, for the warnings
         self.history_keys = (*HISTORY_KEYS, *(f"rubric/{name}" for name in judged.get("rewarded", ())))
         if policy is not None:
             write_line(parameter_line(policy, state.get("critic")))
