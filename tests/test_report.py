@@ -394,7 +394,7 @@ def test_rollout_record_keeps_the_slips_only_where_a_move_slipped():
             think=None,
             world="",
             answer="a",
-            env_reward=0.0,
+            payout=0.0,
             reward=0.0,
             parts={},
             actions=["Down"] * len(slips),
