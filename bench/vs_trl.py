@@ -89,9 +89,7 @@ def bandit_reward(completions, seed, **kwargs) -> list[float]:
         text = completion_text(completion)
         think, answer = sb.parse_reply(text)
         _, reward, _, info = env.step(answer if answer is not None else "")
-        total, _ = sb.score_turn(
-            sb.Turn(text=text, think=think, answer=answer, payout=reward, info=info), sb.RUBRIC
-        )
+        total, _ = sb.score_turn(sb.Turn(text=text, think=think, answer=answer, payout=reward, info=info), sb.RUBRIC)
         out.append(total)
     return out
 
