@@ -805,7 +805,8 @@ def ppo_update(policy, critic, ref, opt, critic_opt, batch: dict, inputs: dict, 
     policy.train()
     stats: dict[str, list] = {}
     skipped = 0
-    for mini in update.mini_batches(len(mask), args.mini_batch_size, args.ppo_epochs, generator):
+    orders = [torch.randperm(len(mask), generator=generator) for _ in range(args.ppo_epochs)]  # a shuffle an epoch
+    for mini in (part for order in orders for part in order.split(args.mini_batch_size)):  # an optimizer step each
         finite = True
         for mb, w in update.micro_batches(batch, mini, args.micro_batch_size, micro_view, mask, args.loss_agg):
             i, c = mb["idx"], mb["cols"]  # w: its share of the mini-batch's loss

@@ -16,14 +16,6 @@ import common
 from plumbing import dist, forward
 
 
-def mini_batches(n: int, size: int, epochs: int, generator: torch.Generator):
-    """`epochs` passes over n rows, each in a fresh random order, cut into mini-batches of `size` (one optimizer step
-    each): index tensors."""
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=generator)
-        yield from (order[i : i + size] for i in range(0, n, size))
-
-
 def micro_batches(batch: dict, rows, size: int, view, mask=None, agg: str = "token-mean"):
     """(mb, weight) for each micro-batch of `rows` (a tensor of row indices; None = all) that this process owns, at
     most `size` rows each, rows of like length together (forward.micro_batch_plan, which also keeps a group's rows
