@@ -559,8 +559,8 @@ def make(spec: str | None, model_id: str | None, policy_path: str, device: str, 
     'policy' or None, the policy's own starting weights (frozen: the judge never learns with the policy); a URL
     (http:// or https://), an OpenAI-compatible server (model_id, else the first model its /v1/models lists; the key
     from $OPENAI_API_KEY); anything else, a local model directory."""
-    if spec and spec.startswith(("http://", "https://")):
-        backend = HTTPJudge(spec, model_id or served_model(spec))
+    if spec and spec.startswith(("http://", "https://")):  # 4 reply tokens: a verdict where the first names no word
+        backend = HTTPJudge(spec, model_id or served_model(spec), max_tokens=4)
     else:
         path = policy_path if spec in (None, "policy") else spec
         backend = LocalJudge(path, device=device, model_id=None if spec in (None, "policy") else spec)
@@ -584,8 +584,11 @@ def setup(rubric: list, spec: str | None, model_id: str | None, policy_path: str
     rubric = running(rubric, spec is not None)
     if not any(isinstance(fn, Component) for fn, _ in rubric):
         return rubric, None
+    from plumbing.run import write_line  # (torch: imported here)
+
     backend = make(spec, model_id, policy_path, device, Path(run_dir) / "judge_cache.jsonl")
     attach(rubric, backend)
+    write_line("judge: " + backend.describe())  # which judge a run asks: the start-up line and config.json
     rewarded = [fn.__name__ for fn, w in rubric if isinstance(fn, Component) and w]  # the reward-hacking warning's
     return rubric, {"judge": backend.describe(), "rewarded": rewarded}
 

@@ -143,39 +143,32 @@ def test_a_cached_second_pass_makes_no_request(server, tmp_path):
     assert again.score(PROMPTS) == first and backend.asked == len(PROMPTS) and again.hits == len(PROMPTS)
 
 
-class Turn:
-    def __init__(self, text):
-        self.text = text
-
-
-def test_a_server_killed_mid_batch_gives_counted_failures_and_loses_nothing(server, tmp_path):
-    """(Last in the module: it kills the module's server.) The server dies as the batch's 5th request is about to
-    go: the first 4 verdicts are scores and cached, the rest None and counted in fail_frac; no exception escapes."""
+def test_a_training_run_asks_the_server_and_goes_on_when_it_dies(server, tmp_path):
+    """(Last in the module: it kills the module's server.) FrozenLake with --judge URL: its judge component (weight
+    0: logged, not rewarded) asks the server about every turn; the verdicts are scores and cached. The server is
+    killed after step 2: steps 3 and 4 count every judgement as failed (never a score), the run finishes, and the
+    cache keeps every verdict it had."""
     proc, url = server
-    http = http_judge(url, max_in_flight=1, retries=2, backoff_s=0.05)
-    sent, post = [], http._post
-
-    def post_then_kill(body):
-        sent.append(body)
-        if len(sent) == 5:
-            stop(proc)
-        return post(body)
-
-    http._post = post_then_kill
-    path = tmp_path / "judge_cache.jsonl"
-    cached = J.CachedJudge(http, J.Cache(path))
-    component = J.Component("judged", "Does the reply move Left?", render=lambda t: t.text)
-    turns = [Turn(f"<answer> Left </answer> {i}") for i in range(12)]
-    start = time.perf_counter()
-    m = J.prefetch(cached, [component], turns)
-    scores = [component(t) for t in turns]
-    assert all(s is not None for s in scores[:4]) and scores[4:] == [None] * 8, scores
-    assert m["judge/fail_frac"] == pytest.approx(8 / 12) and m["judge/n_failed"] == 8
-    assert http.errors["connection error"] == 1 and http.errors["server down (skipped)"] == 7  # failed fast
-    assert len(sent) == 5 + 2 and time.perf_counter() - start < 30  # the 5th prompt's retries, then no more tries
-    reloaded = J.Cache(path)
-    assert len(reloaded) == 4 and reloaded.torn == 0
-    # the next step, server still down: the cached verdicts come back, the others fail again
-    again = J.CachedJudge(http_judge(url, retries=0), reloaded)
-    m2 = J.prefetch(again, [component], turns)
-    assert [component(t) for t in turns] == scores and m2["judge/n_cached"] == 4 and m2["judge/n_failed"] == 8
+    out = tmp_path / "run"
+    flags = ["--steps", "4", "--n-groups", "2", "--group-size", "2", "--val-size", "2", "--eval-every", "0"]
+    flags += ["--sample-every", "0", "--max-turns", "2", "--save-every", "0", "--judge", url, "--judge-model-id", NAME]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(ROOT / "starpo_frozenlake.py"), *flags, "--output-dir", str(out)]
+    run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and '"step": 2' in metrics.read_text()):
+        assert run.poll() is None, run.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "step 2 did not come"
+        time.sleep(0.5)
+    stop(proc)
+    cached = (out / "judge_cache.jsonl").read_text().splitlines()
+    log = run.communicate(timeout=600)[0]
+    assert run.returncode == 0, log[-3000:]
+    assert f"judge: HTTP judge {NAME} at {url}" in log  # the start-up line names the judge
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["judge/fail_frac"] == 0 and "judge/agreement" in r for r in rows[1:3]), rows[1:3]
+    assert all(r["judge/fail_frac"] == 1 and "rubric/think_judged" not in r for r in rows[3:]), rows[3:]
+    assert cached and (out / "judge_cache.jsonl").read_text().splitlines()[: len(cached)] == cached
+    assert all(0 <= json.loads(line)["score"] <= 1 for line in cached)
