@@ -24,6 +24,7 @@ vllm = pytest.importorskip(
 import common  # noqa: E402
 import plumbing.dist  # noqa: E402
 import plumbing.flags  # noqa: E402
+import plumbing.lora  # noqa: E402
 import plumbing.tiny  # noqa: E402
 import starpo_bandit as sb  # noqa: E402
 import starpo_frozenlake as fl  # noqa: E402
@@ -156,10 +157,10 @@ def test_a_lora_push_gives_the_engine_the_adapted_model(engine):
     import copy
 
     llm, tok, model = engine
-    adapted = sb.add_lora(copy.deepcopy(model), rank=4, alpha=64).eval()
+    adapted = plumbing.lora.add_adapters(copy.deepcopy(model), rank=4, alpha=64).eval()
     g = torch.Generator().manual_seed(0)
     for m in adapted.modules():
-        if isinstance(m, sb.LoRALinear):
+        if isinstance(m, plumbing.lora.LoRALinear):
             m.lora_B.data = torch.randn(m.lora_B.shape, generator=g) * 0.05
     ps = prompts(tok, 4)
     sb.vllm_push_weights(llm, adapted)
