@@ -1174,7 +1174,8 @@ def group_relative(args: Args, trajs: list[Trajectory], reward) -> tuple[list[li
     for group in (trajs[g : g + n] for g in range(0, len(trajs), n)):
         rewards = [[reward(turn) for turn in t.turns] for t in group]
         given = [v for r in rewards for v in r if v is not None]
-        rewards = [[sum(given) / len(given) if v is None else v for v in r] for r in rewards]
+        fill = sum(given) / len(given) if given else 0.0  # (a group with no value at all: all equal, no signal)
+        rewards = [[fill if v is None else v for v in r] for r in rewards]
         if args.estimator == "grpo":
             totals = torch.tensor([[sum(r) for r in rewards]], dtype=torch.float64)  # (1, n)
             adv = group_advantages(totals, norm_std=args.norm_adv_by_std)[0].tolist()

@@ -164,3 +164,15 @@ def test_the_reward_hacking_warning_fires_when_the_judged_reward_rises_as_the_tr
     assert "think_judged rose 0.30 -> 0.60" in msg and "agreement with the truth 0.90 -> 0.60" in msg
     warned = {"reward_hacking"}
     assert collapse_warnings(hacking_history(rising, falling, no_val), warned) == []  # once per run
+
+
+def test_a_group_whose_judgements_all_failed_gives_no_signal_and_no_error():
+    """GDPO and the shares run each component through the estimator: a judge component with no value in a group
+    (its server down) fills the group alike, so it moves no advantage."""
+    args = fl.Args(estimator="turn-grpo", group_size=2)
+    trajs = [fl.Trajectory(0, 0, [], [], []) for _ in range(2)]
+    for t, r in zip(trajs, (1.0, 0.0)):
+        t.turns = [fl.Turn("s", "", None, None, [], False, r, [], parts={"env_reward": r, "asked": None})]
+    values, _ = fl.group_relative(args, trajs, lambda turn: turn.parts["asked"])
+    assert values == [[0.0], [0.0]]
+    assert fl.group_relative(args, trajs, lambda turn: turn.parts["env_reward"])[0][0][0] > 0
