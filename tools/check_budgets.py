@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # A budget is a cap, set by an issue that names the number (these: "The one-process lesson"). A change that needs
 # more lines takes them from elsewhere, or stops and says in its closing note what it needs and why; a budget changes
 # only by an issue that names the new number, never in the commit that would break it.
-BUDGETS = {"starpo_bandit.py": 1100, "starpo_frozenlake.py": 1480, "starpo_sokoban.py": 1580, "common.py": 520}
+# "Credit where it is due" allows 30 lines more to each multi-turn script and 80 to common.py, and "Judges in the
+# rubric" 40 more to each script, beyond the one-process lesson's 1,100 / 1,480 / 1,580 / 520.
+BUDGETS = {"starpo_bandit.py": 1140, "starpo_frozenlake.py": 1550, "starpo_sokoban.py": 1650, "common.py": 600}
 MAIN_LINES, MAIN_NESTING, FLAGS = 120, 4, 60
 README_BYTES = 25_000  # the genre's READMEs are 4-19 KB; the dated record lives in docs/RESULTS.md
 COMMON_IMPORTS = {"__future__", "math", "torch", "typing", "dataclasses"}
