@@ -1530,6 +1530,7 @@ def main(argv=None):
         # ---- rollout: n_groups fresh seeds, each shared by group_size episodes, all played together ---------------
         group_seeds = [args.seed * 10**7 + (step - 1) * G + g for g in dist.block(G)]  # torchrun: this rank's block
         age = (step - 1) % args.rollout_reuse if args.rollout_reuse > 1 else None  # updates since it was sampled
+        age = 0 if age and step == run.start_step else age  # (a run resumed mid-way starts on a fresh batch)
         if not age:  # --rollout-reuse k (RAGEN's Online-k): a batch trains k steps in a row, then a fresh one
             with run.timer("rollout"):
                 seeds = [s for s in group_seeds for _ in range(n)]  # a group's members share its seed (its start)

@@ -112,3 +112,11 @@ def test_bad_freshness_and_gigpo_flags_fail_in_one_line(capsys, tmp_path):
             )
         assert e.value.code == 2 and capsys.readouterr().err.startswith(error)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_run_resumed_in_the_middle_of_a_reused_batch_starts_a_fresh_one(tmp_path):
+    flags = [*QUICK, "--rollout-reuse", "2", "--save-every", "1", "--output-dir", str(tmp_path)]
+    fl.main([*flags, "--steps", "1"])
+    fl.main(["--resume", "--steps", "4", "--output-dir", str(tmp_path)])
+    ages = [r.get("rollout/policy_age") for r in rows_of(tmp_path)]
+    assert ages == [None, 0, 0, 0, 1]  # step 2 sampled afresh (its batch was not saved); steps 3-4 one batch
