@@ -5,14 +5,16 @@ early and nothing depends on the task); their shared statistics must agree key f
 bandit logs the subset that applies to a one-turn task, with the same meaning.
 """
 
+import re
+
 import pytest
 
 import plumbing.flags
-from plumbing import metrics
+from plumbing import judge, metrics
 import starpo_bandit as sb
 import starpo_frozenlake as fl
 import starpo_sokoban as ss
-from conftest import FakeTok
+from conftest import ROOT, FakeTok
 
 REPLY = "<think> same words </think> <answer> Jump </answer>"  # 52 characters: 52 tokens + <|im_end|>
 
@@ -85,3 +87,37 @@ def test_filter_stats():
     empty = metrics.filter_stats(scores, stat, [])
     assert empty["rollout/empty_after_filter"] == 1 and "rollout/chosen_in_group_std" not in empty
     assert plumbing.flags.given_fields(fl.Args(max_turns=3)) == {"max_turns"}
+
+
+def glossary_rows():
+    section = (ROOT / "README.md").read_text().split("## Metrics glossary", 1)[1].split("\n## ", 1)[0]
+    return [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+
+
+def documented(key: str, rows) -> bool:
+    """Whether the README's glossary names `key`: in full, or as a row's later `_suffix` / `name` after the row's
+    first full name of the same namespace (`<j>`: a number, `<name>`: a component)."""
+    ns, leaf = key.split("/", 1)
+    for cell in rows:
+        names = re.findall(r"`([^`]+)`", cell)
+        if not names or not names[0].startswith(ns + "/"):
+            continue
+        for n in names:
+            pat = re.escape(n.split("/", 1)[-1]).replace(re.escape("<j>"), r"\d+").replace(re.escape("<name>"), r"\w+")
+            if re.fullmatch(pat, leaf) or (n.startswith("_") and re.search(pat + "$", leaf)):
+                return True
+    return False
+
+
+def test_the_judge_gigpo_gdpo_and_freshness_metrics_are_in_the_glossary():
+    stats = {"step_group_sizes": [3, 1], "mean_abs_step_adv": [0.5, 0.25]}
+    keys = set(metrics.gigpo_stats([stats])) | set(metrics.advantage_shares([[[1.0]], [[0.5]]], [("a", 1), ("b", 1)]))
+    keys |= {k for k in judge.combine({"judge/n_asked": 2, "judge/n_failed": 1, "judge/n_checked": 1,
+             "judge/n_agree": 1, "judge/n_false_positive": 0, "judge/n_false_negative": 0,
+             "judge/latency_s": 0.1}) if "/n_" not in k}  # fmt: skip
+    keys |= {"rollout/policy_age", "rollout/stale_logprob_diff_mean", "rollout/stale_logprob_diff_max"}
+    keys |= {"warn/reward_hacking", "rubric/high_arm_judged"}
+    assert len(keys) > 15
+    rows = glossary_rows()
+    assert [k for k in sorted(keys) if not documented(k, rows)] == []
+    assert not documented("gigpo/no_such_metric", rows) and not documented("judge/no_such_rate", rows)
