@@ -297,18 +297,15 @@ def reverse_play(floor: set, targets: list, player: tuple, search_depth: int, ma
     the room, so it is solvable by construction. A state scores (box switches) * (total Manhattan displacement),
     where a switch is a pull of another box than the last one pulled (so one box scores its displacement alone),
     and 0 while a box or the player stands on a target; the first state with the highest score is kept. Bounded
-    like RAGEN's: depth `search_depth`, at most `max_states` distinct states, each searched once. A state is what
-    RAGEN's grid holds: the player's cell and each box's cell with whether that box has been pulled yet (its grid
-    marks a pulled box 3, an unpulled one 4), so a box pulled back onto its target is a new state, not a seen one.
+    like RAGEN's: depth `search_depth`, at most `max_states` distinct states (player and box cells), each searched once.
     """
     best, seen, on_target = [-1, player, tuple(targets)], set(), set(targets)
 
-    def dfs(player, boxes, pulled, switches, last, ttl):  # boxes[i] started on targets[i]; pulled[i]: moved yet
+    def dfs(player, boxes, switches, last, ttl):  # boxes[i] started on targets[i]; last: the box pulled last
         ttl -= 1
-        state = (player, frozenset(zip(boxes, pulled)))
-        if ttl <= 0 or len(seen) >= max_states or state in seen:
+        if ttl <= 0 or len(seen) >= max_states or (player, frozenset(boxes)) in seen:
             return
-        seen.add(state)
+        seen.add((player, frozenset(boxes)))
         empty = player not in on_target and not on_target.intersection(boxes)  # every target free
         score = switches * displacement(boxes, targets) if empty else 0
         if score > best[0]:
@@ -319,12 +316,11 @@ def reverse_play(floor: set, targets: list, player: tuple, search_depth: int, ma
                 continue
             if behind in boxes:  # the box behind follows the player onto the cell it leaves
                 i = boxes.index(behind)
-                moved = boxes[:i] + (player,) + boxes[i + 1 :], pulled[:i] + (True,) + pulled[i + 1 :]
-                dfs(nxt, *moved, switches + (i != last), i, ttl)
+                dfs(nxt, boxes[:i] + (player,) + boxes[i + 1 :], switches + (i != last), i, ttl)
             else:
-                dfs(nxt, boxes, pulled, switches, last, ttl)
+                dfs(nxt, boxes, switches, last, ttl)
 
-    dfs(player, tuple(targets), (False,) * len(targets), 0, None, search_depth)
+    dfs(player, tuple(targets), 0, None, search_depth)
     return best
 
 
