@@ -23,6 +23,7 @@ torch and transformers are imported by LocalJudge alone: the module imports in m
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import hashlib
 import http.client
 import json
@@ -92,6 +93,7 @@ class Component:
         self.render = render
         self.truth = truth
         self.scores: dict[int, float | None] = {}  # id(turn) -> score, for the last prefetch's turns only
+        self.judge, self.pending = None, []  # `attach` sets the judge; a component without one is never asked
 
     def prompt(self, turn) -> str:
         return render_prompt(self.question, self.render(turn))
@@ -580,8 +582,9 @@ def served_model(base_url: str, timeout_s: float = 10.0) -> str:
 def setup(rubric: list, spec: str | None, model_id: str | None, policy_path: str, device: str, run_dir: Path):
     """The rubric that runs (`running`) with its judge attached, and for config.json (None: no judge component runs)
     the judge's description and the judge components that are rewarded (weight != 0: Run warns when one of them
-    rises while the judge's agreement with the truth falls). The judge: `make`, cached in run_dir/judge_cache.jsonl."""
-    rubric = running(rubric, spec is not None)
+    rises while the judge's agreement with the truth falls). The judge: `make`, cached in run_dir/judge_cache.jsonl.
+    The components that run are copies: the script's RUBRIC itself never holds a judge."""
+    rubric = [(copy.copy(fn) if isinstance(fn, Component) else fn, w) for fn, w in running(rubric, spec is not None)]
     if not any(isinstance(fn, Component) for fn, _ in rubric):
         return rubric, None
     from plumbing.run import write_line  # (torch: imported here)
@@ -608,8 +611,9 @@ def attach(rubric: list, judge) -> None:
 
 def prefetch_rubric(rubric: list, turns: list) -> None:
     """Before the rubric scores `turns`: every judge component's questions about them, in one batch (prefetch); the
-    batch's metrics wait on the components for `step_metrics`. No judge component: nothing happens."""
-    components = [fn for fn, _ in rubric if isinstance(fn, Component)]
+    batch's metrics wait on the components for `step_metrics`. No judge attached (`setup`): nothing happens, and the
+    components score None (not judged, left out of the sum)."""
+    components = [fn for fn, _ in rubric if isinstance(fn, Component) and fn.judge is not None]
     if components and turns:
         components[0].pending.append(prefetch(components[0].judge, components, turns))
 
@@ -619,7 +623,7 @@ def step_metrics(rubric: list) -> dict:
     process calls it at the same point), rates only; {} without judges or judged turns."""
     from plumbing import dist  # (torch: imported here, so that this module imports in milliseconds)
 
-    components = [fn for fn, _ in rubric if isinstance(fn, Component)]
+    components = [fn for fn, _ in rubric if isinstance(fn, Component) and fn.judge is not None]
     if not components:
         return {}
     batches, components[0].pending = dist.gather(components[0].pending), []

@@ -14,6 +14,10 @@ SCRIPTS = ["starpo_bandit.py", "starpo_frozenlake.py", "starpo_sokoban.py"]
 # The multi-turn core lives once, in starpo_sokoban.py; starpo_frozenlake.py carries it as marked copies.
 MULTI_TURN_CORE = {
     "Turn",
+    "anchors",
+    "group_relative",
+    "sum_parts",
+    "think_judged",
     "Trajectory",
     "rollout",
     "context_ids",
@@ -123,9 +127,9 @@ def test_the_shared_args_fields_are_checked_copies():
     """Every field the scripts' Args share reads the same (docstring included), but those each marker excepts."""
     lines = lambda s: (ROOT / s).read_text().splitlines()  # noqa: E731
     fl, sk = lines("starpo_frozenlake.py"), lines("starpo_sokoban.py")
-    assert "# Copied fields from starpo_bandit.Args except estimator, max_tokens" in fl
+    assert "# Copied fields from starpo_bandit.Args except estimator, max_tokens, gamma" in fl
     assert "# Copied fields from starpo_sokoban.Args except positions, outcomes" in fl
-    assert "# Copied fields from starpo_bandit.Args except estimator, max_tokens" in sk
+    assert "# Copied fields from starpo_bandit.Args except estimator, max_tokens, gamma" in sk
     shared = set(check_copies.fields(ROOT / "starpo_bandit.py", "Args")) & set(
         check_copies.fields(ROOT / "starpo_frozenlake.py", "Args")
     )
@@ -152,7 +156,7 @@ def test_an_except_that_is_not_needed_is_reported(tmp_path):
     root = copy_scripts(tmp_path)
     path = root / "starpo_sokoban.py"
     text = path.read_text()
-    marker = "# Copied fields from starpo_bandit.Args except estimator, max_tokens\n"
+    marker = "# Copied fields from starpo_bandit.Args except estimator, max_tokens, gamma\n"
     path.write_text(text.replace(marker, marker.replace("max_tokens", "max_tokens, lr")))
     assert any("'except lr': lr reads the same in both" in p for p in check_copies.check(root))
     path.write_text(text.replace(marker, marker.replace("max_tokens", "max_tokens, no_such_field")))
