@@ -53,6 +53,9 @@ TEMPLATE = (
 # its tokenizer has as a single token; HTTPJudge matches the server's tokens against them, case and spaces ignored.
 YES = ("yes", "Yes", " yes", " Yes", "YES")
 NO = ("no", "No", " no", " No", "NO")
+# How `--judge URL` reads a reply: the answer words looked for among the first token's top log-probs. A judge whose
+# tokenizer splits "yes" needs its first piece here (tests/test_judge_server.py sets it for the tiny models).
+HTTP_READING = dict(top_logprobs=20, yes=YES, no=NO)
 
 
 def render_prompt(question: str, context: str) -> str:
@@ -562,7 +565,7 @@ def make(spec: str | None, model_id: str | None, policy_path: str, device: str, 
     (http:// or https://), an OpenAI-compatible server (model_id, else the first model its /v1/models lists; the key
     from $OPENAI_API_KEY); anything else, a local model directory."""
     if spec and spec.startswith(("http://", "https://")):  # 4 reply tokens: a verdict where the first names no word
-        backend = HTTPJudge(spec, model_id or served_model(spec), max_tokens=4)
+        backend = HTTPJudge(spec, model_id or served_model(spec), max_tokens=4, **HTTP_READING)
     else:
         path = policy_path if spec in (None, "policy") else spec
         backend = LocalJudge(path, device=device, model_id=None if spec in (None, "policy") else spec)

@@ -153,7 +153,11 @@ def test_a_training_run_asks_the_server_and_goes_on_when_it_dies(server, tmp_pat
     flags = ["--steps", "4", "--n-groups", "2", "--group-size", "2", "--val-size", "2", "--eval-every", "0"]
     flags += ["--sample-every", "0", "--max-turns", "2", "--save-every", "0", "--judge", url, "--judge-model-id", NAME]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, str(ROOT / "starpo_frozenlake.py"), *flags, "--output-dir", str(out)]
+    # The script as `python starpo_frozenlake.py ...` runs it, its URL judge reading the tiny tokenizer's first piece
+    # of "yes" over the whole vocabulary (as http_judge above); everything else is the script's own
+    reading = "import runpy, sys; import plumbing.judge as J; J.HTTP_READING.update(yes=('y',), top_logprobs=-1); "
+    reading += "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    cmd = [sys.executable, "-c", reading, str(ROOT / "starpo_frozenlake.py"), *flags, "--output-dir", str(out)]
     run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600

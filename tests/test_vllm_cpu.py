@@ -302,3 +302,5 @@ def test_two_processes_each_with_an_engine_equal_one(tmp_path):
         assert plumbing.dist.differing_metrics(a, b) == {}, a["step"]
         if "actor/grad_norm" in a:
             assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
+        for k in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max"):  # the updated weights' float order
+            assert b.get(k) == pytest.approx(a[k], rel=1e-4, abs=1e-7) if k in a else k not in b, k
