@@ -142,10 +142,8 @@ def barrier() -> None:
 # float sum): these differ with the number of processes; every other metric of a step does not.
 VARY_WITH_PROCESSES = ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/pg_clipfrac", "critic/vf_loss")
 VARY_WITH_PROCESSES += ("actor/grad_norm",)  # compared to a tolerance instead (tests/test_torchrun.py)
-# The trainer's log-probs after an update (against vLLM's: logprob_diff; on a reused batch, --rollout-reuse: stale_):
-# its weights carry the float order of the gradient sum, so these are compared to a tolerance, like the norm.
+# The updated policy's log-probs on a reused batch (--rollout-reuse): its weights carry the float order of the sum.
 VARY_WITH_PROCESSES += ("rollout/stale_logprob_diff_mean", "rollout/stale_logprob_diff_max")
-VARY_WITH_PROCESSES += ("rollout/logprob_diff_mean", "rollout/logprob_diff_max")
 
 
 def differing_metrics(a: dict, b: dict) -> dict:

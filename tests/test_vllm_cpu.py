@@ -299,8 +299,10 @@ def test_two_processes_each_with_an_engine_equal_one(tmp_path):
     one, two = metrics(tmp_path / "n1"), metrics(tmp_path / "n2")
     assert [row["step"] for row in two] == [0, 1, 2]
     for a, b in zip(one, two):
-        assert plumbing.dist.differing_metrics(a, b) == {}, a["step"]
+        # The trainer's log-probs against vLLM's after an update: its weights carry the gradient sum's float order
+        gap = ("rollout/logprob_diff_mean", "rollout/logprob_diff_max")
+        assert {k: v for k, v in plumbing.dist.differing_metrics(a, b).items() if k not in gap} == {}, a["step"]
         if "actor/grad_norm" in a:
             assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
-        for k in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max"):  # the updated weights' float order
+        for k in gap:
             assert b.get(k) == pytest.approx(a[k], rel=1e-4, abs=1e-7) if k in a else k not in b, k
