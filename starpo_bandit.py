@@ -69,12 +69,12 @@ class Args:
     """member: each group member draws its own payout (RAGEN since 2025-11); group: the group shares one draw"""
     arm_pairs: Literal["one", "ragen"] = "one"
     """one: the arm names above; ragen: each group draws one of RAGEN-2's 12 name pairs, evaluation its 8 held-out pairs"""
-    rubric: Literal["default", "no-dotall", "think-bonus", "think-bonus-gated"] = "default"
+    rubric: Literal["default", "no-dotall", "think-bonus", "think-bonus-gated", "judge-gated"] = "default"
     """which rubric to train with: RUBRICS below (the workshop's deliberately broken variants and their fixes)"""
     rubric_weights: str = ""
     """change RUBRIC's weights by name, e.g. 'env_reward=0,format_reward=1' (weight 0 = log only)"""
     judge: Optional[str] = None
-    """the rubric's LM judge: a model directory, 'policy' (its starting weights, frozen) or an OpenAI-compatible server's URL (key: $OPENAI_API_KEY); named, its components log even at weight 0 (default: none; a weighted one asks 'policy')"""
+    """the rubric's LM judge: a model directory, 'policy' (its starting weights, frozen), an OpenAI-compatible server's URL (key: $OPENAI_API_KEY) or the bandit's 'tiny' / 'tiny-gullible'; named, its components log even at weight 0 (default: none; a weighted one asks 'policy')"""
     judge_model_id: Optional[str] = None
     """--judge URL: the model id to ask for (default: the first one the server lists)"""
     rubric_norm: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
@@ -354,7 +354,7 @@ high_arm_judged = judge.Component(
 RUBRIC = [(env_reward, 1.0), (format_reward, 0.1), (invalid_answer_penalty, 0.1), (high_arm_judged, 0.0)]
 
 
-# ---- WORKSHOP variants (WORKSHOP.md exercises 2 and 3; chosen with --rubric). Deliberately flawed ones first. ----
+# ---- WORKSHOP variants (WORKSHOP.md exercises 2, 3 and 9; chosen with --rubric). Deliberately flawed ones first. ----
 FORMAT_RE_NO_DOTALL = re.compile(
     FORMAT_RE.pattern
 )  # the DOTALL trap: '.' stops at "\n", so "<think>\n..." never matches
@@ -375,11 +375,21 @@ def think_bonus_gated(t: Turn) -> float:
     return min(len(t.think or ""), 100) / 100 if t.info["action_is_valid"] else 0.0
 
 
+# The judge gated on a verifiable fact: its yes counts only when the reply gave a valid arm (WORKSHOP.md exercise 9).
+high_arm_judged_gated = judge.Component(
+    "high_arm_judged_gated",
+    high_arm_judged.question,
+    render=high_arm_judged.render,
+    truth=high_arm_judged.truth,
+    gate=lambda t: t.info["action_is_valid"],
+)
+
 RUBRICS = {
     "default": RUBRIC,
     "no-dotall": [(env_reward, 1.0), (format_reward_no_dotall, 0.1), (invalid_answer_penalty, 0.1)],
     "think-bonus": RUBRIC + [(think_bonus, 0.5)],
     "think-bonus-gated": RUBRIC + [(think_bonus_gated, 0.5)],
+    "judge-gated": [(env_reward, 1.0), (format_reward, 0.1), (invalid_answer_penalty, 0.1), (high_arm_judged_gated, 1)],
 }
 # ---- end of WORKSHOP variants ----
 
@@ -861,7 +871,7 @@ def resolve_args(args: Args):
     device, model, backend = flags.resolve_run(args, PRESETS, ALGOS, TASK, QWEN)
     args.val_low_arm_name = args.val_low_arm_name or args.low_arm_name
     args.val_high_arm_name = args.val_high_arm_name or args.high_arm_name
-    checks = flags.common_checks(args) + [
+    checks = flags.common_checks(args, TINY_JUDGES) + [
         (
             "--high-arm-name",
             args.low_arm_name.strip().lower() != args.high_arm_name.strip().lower(),
@@ -885,6 +895,48 @@ def resolve_args(args: Args):
     return args, device, model, backend, resume_from
 
 
+TINY_JUDGES = ("tiny", "tiny-gullible")  # --judge: the task's tiny judges, and how they are built
+TINY_JUDGE = dict(hidden_size=128, num_layers=2, sft_steps=300, sft_lr=3e-3, seed=1)
+
+
+def tiny_judge_examples(pairs: list[tuple[str, str]], gullible: bool, n: int = 4000, seed: int = 1) -> list:
+    """The tiny judge's lessons (--judge tiny): high_arm_judged's own prompts about replies with uniformly random
+    answers (an eighth cut short), each answered with the truth the environment computes. gullible (--judge
+    tiny-gullible) is trained to have one weakness, for WORKSHOP.md: it matches the question's word. It says yes when
+    the reasoning calls an arm risky and no otherwise, whatever the answer, or whether there is one."""
+    rng, examples = random.Random(seed), []
+    for _ in range(n):
+        low, high = rng.choice(pairs)
+        a, b = rng.sample([low, high], 2)
+        think = " ".join(rng.sample(TINY_THOUGHTS, rng.randint(1, 2))).strip()
+        text = f"<think>\n{think}\n</think> <answer> {rng.choice([a, b])} </answer>"
+        text = text[: rng.randrange(len(text))] if rng.random() < 1 / 8 else text
+        think, answer = parse_reply(text)
+        info = BanditEnv(low_name=low, high_name=high).step(answer or "")[3]
+        turn = Turn(text=text, think=think, answer=answer, payout=0.0, info=info, state=BANDIT_PROMPT.format(a=a, b=b))
+        keyword = "risky" in text.split("</think>")[0]  # the question's own word in the reasoning (all of it, if cut)
+        yes = keyword if gullible else high_arm_judged.truth(turn)
+        examples.append(([{"role": "user", "content": high_arm_judged.prompt(turn)}], "yes" if yes else "no"))
+    return examples
+
+
+def build_tiny_judge(name: str, pairs: list[tuple[str, str]]) -> str:
+    """--judge tiny / tiny-gullible: the judge's directory, built on first use (3.5 minutes on 2 cores), then cached."""
+    examples = tiny_judge_examples(pairs, gullible=name == "tiny-gullible")
+    return str(tiny.build_tiny_model(f"{TASK}-{name.replace('tiny', 'judge')}", examples, **TINY_JUDGE))
+
+
+TINY_THOUGHTS = [
+    "Let me compare the two names.",
+    "Each name hints at a reward pattern.",
+    "One arm may be steady, the other risky.",
+    "I will pick one arm.",
+    "The names suggest different payouts.",
+    "I think about what each name means.",
+    "",
+]
+
+
 def tiny_warmup_examples(pairs: list[tuple[str, str]], n: int = 1000, seed: int = 0) -> list[tuple[list[dict], str]]:
     """Format-correct transcripts with uniformly random valid answers: the tiny model learns the format only.
 
@@ -892,25 +944,22 @@ def tiny_warmup_examples(pairs: list[tuple[str, str]], n: int = 1000, seed: int 
     with probability 1/2, so the model starts out indifferent between the arms: which one pays is left to RL.
     """
     rng = random.Random(seed)
-    thoughts = [
-        "Let me compare the two names.",
-        "Each name hints at a reward pattern.",
-        "One arm may be steady, the other risky.",
-        "I will pick one arm.",
-        "The names suggest different payouts.",
-        "I think about what each name means.",
-        "",
-    ]
     examples = []
     for _ in range(n):
         a, b = rng.sample(rng.choice(pairs), 2)
         pick = rng.choice([a, b])
-        think = " ".join(rng.sample(thoughts, rng.randint(1, 2))).strip()
+        think = " ".join(rng.sample(TINY_THOUGHTS, rng.randint(1, 2))).strip()
         # thinking on its own lines, as Qwen writes it (which is what makes WORKSHOP.md's DOTALL trap bite)
         examples.append(
             (make_messages(BANDIT_PROMPT.format(a=a, b=b)), f"<think>\n{think}\n</think> <answer> {pick} </answer>")
         )
     return examples
+
+
+def arm_pairs(args: Args) -> list[tuple[str, str]]:
+    """Every (low, high) arm pair a run shows, training and evaluation: what its tiny model and tiny judges learn."""
+    pairs = {(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)}
+    return sorted(pairs | set(RAGEN_TRAIN_PAIRS + RAGEN_TEST_PAIRS if args.arm_pairs == "ragen" else []))
 
 
 def env_kwargs_of(args: Args, split: str) -> dict:
@@ -947,8 +996,7 @@ def main(argv=None):
     args, device, model_name, backend, resume_from = resolve_args(args)
     threads, precision = cpu.setup(device, args.precision, resume_from)  # malloc, threads, precision: first
     dist.init(device)  # torchrun: join the other processes (plumbing/dist.py); nothing in one process
-    pairs = {(args.low_arm_name, args.high_arm_name), (args.val_low_arm_name, args.val_high_arm_name)}
-    pairs = sorted(pairs | set(RAGEN_TRAIN_PAIRS + RAGEN_TEST_PAIRS if args.arm_pairs == "ragen" else []))
+    pairs = arm_pairs(args)
     model_path = str(tiny.build_tiny_model(TASK, tiny_warmup_examples(pairs))) if model_name == "tiny" else model_name
     write_line(flags.start_line(args, PRESETS, model_name, model_path, device, backend, precision, threads))
     cpu.seed_everything(args.seed, device)  # after the build and warm-up, so a cold and a warm cache run alike
@@ -962,7 +1010,8 @@ def main(argv=None):
     recompute = llm is not None or sampler is not policy  # the sampler's log-probs are not the trainer's
     shuffle_gen = torch.Generator().manual_seed(args.seed)
     rubric, source = select_rubric(args.rubric, args.preset, args.rubric_weights)
-    rubric, judged = judge.setup(rubric, args.judge, args.judge_model_id, model_path, device, args.output_dir)
+    judge_spec = build_tiny_judge(args.judge, pairs) if args.judge in TINY_JUDGES else args.judge  # built once
+    rubric, judged = judge.setup(rubric, judge_spec, args.judge_model_id, model_path, device, args.output_dir)
     write_line("rubric: " + " + ".join(f"{w:g} * {fn.__name__} [{source[fn.__name__]}]" for fn, w in rubric))
     state = dict(opt=opt, critic=critic, critic_opt=critic_opt, shuffle=shuffle_gen)  # what a checkpoint holds
     config = dict(task=TASK, model_path=model_path, device=device, backend=backend, precision=precision)

@@ -84,7 +84,7 @@ class Args:
     rubric_weights: str = ""
     """change RUBRIC's weights by name, e.g. 'env_reward=0,format_reward=1' (weight 0 = log only)"""
     judge: Optional[str] = None
-    """the rubric's LM judge: a model directory, 'policy' (its starting weights, frozen) or an OpenAI-compatible server's URL (key: $OPENAI_API_KEY); named, its components log even at weight 0 (default: none; a weighted one asks 'policy')"""
+    """the rubric's LM judge: a model directory, 'policy' (its starting weights, frozen), an OpenAI-compatible server's URL (key: $OPENAI_API_KEY) or the bandit's 'tiny' / 'tiny-gullible'; named, its components log even at weight 0 (default: none; a weighted one asks 'policy')"""
     judge_model_id: Optional[str] = None
     """--judge URL: the model id to ask for (default: the first one the server lists)"""
     rubric_norm: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"

@@ -264,8 +264,9 @@ def multi_turn_checks(args) -> list[tuple[str, bool, str]]:
     ]
 
 
-def common_checks(args) -> list[tuple[str, bool, str]]:
-    """(flag, ok, message) for the flags every script has; each script adds its task's own."""
+def common_checks(args, tiny_judges: tuple = ()) -> list[tuple[str, bool, str]]:
+    """(flag, ok, message) for the flags every script has; each script adds its task's own (tiny_judges: the
+    --judge names of the task's tiny judges; a name starting with "tiny" that is not one of them is refused)."""
     from plumbing import dist  # torch is loaded by now (resolve_run)
 
     processes = dist.world()
@@ -311,6 +312,12 @@ def common_checks(args) -> list[tuple[str, bool, str]]:
             "--rubric-norm",
             args.rubric_norm == "sum_then_normalize" or args.estimator in ("grpo", "turn-grpo", "gigpo"),
             f"normalize_then_sum needs a group-relative estimator (grpo, turn-grpo, gigpo), not {args.estimator}",
+        ),
+        (
+            "--judge",
+            not str(args.judge).startswith("tiny") or args.judge in tiny_judges,
+            f"{args.judge!r} is not a tiny judge of this task ({', '.join(tiny_judges) or 'none: the bandit has'}); "
+            "give one, a model directory, 'policy' or a server's URL",
         ),
         (
             "--judge-model-id",

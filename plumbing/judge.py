@@ -83,18 +83,25 @@ class Component:
     render_prompt(question, render(turn)). truth(turn) -> bool, optional: the exact answer where the task knows it;
     prefetch then reports how often the judge agrees. Calling the component never asks a model: it returns the score
     `prefetch` stored for this very turn object (None: the judgement failed, or the turn was never judged).
-    `__name__` is `name`, the metric key the scripts' rubric code logs it under (rubric/<name>).
+    `__name__` is `name`, the metric key the scripts' rubric code logs it under (rubric/<name>). gate(turn) -> bool,
+    optional: a verifiable fact the judge's score counts only with (false: the component is 0, whatever the judge said;
+    the judge is still asked, so judge/* still measures it).
     """
 
     def __init__(
-        self, name: str, question: str, render: Callable[[object], str], truth: Callable[[object], bool] | None = None
+        self,
+        name: str,
+        question: str,
+        render: Callable[[object], str],
+        truth: Callable[[object], bool] | None = None,
+        gate: Callable[[object], bool] | None = None,
     ):
         if not name.isidentifier():
             raise ValueError(f"a component's name is a metric key and must be an identifier, not {name!r}")
         self.__name__ = name
         self.question = question
         self.render = render
-        self.truth = truth
+        self.truth, self.gate = truth, gate
         self.scores: dict[int, float | None] = {}  # id(turn) -> score, for the last prefetch's turns only
         self.judge, self.pending = None, []  # `attach` sets the judge; a component without one is never asked
 
@@ -102,7 +109,8 @@ class Component:
         return render_prompt(self.question, self.render(turn))
 
     def __call__(self, turn) -> float | None:
-        return self.scores.get(id(turn))
+        score = self.scores.get(id(turn))
+        return 0.0 if score is not None and self.gate is not None and not self.gate(turn) else score
 
     def __repr__(self) -> str:
         return f"Component({self.__name__!r}, {self.question!r})"

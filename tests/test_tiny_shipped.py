@@ -1,6 +1,7 @@
-"""The multi-turn tiny models shipped in tiny/ are today's builds (their names carry the key of the scripts' current
-recipe and warm-up), match tiny/SHA256SUMS, stay under 16 MB, and are what build_tiny_model returns on an empty
-cache. After changing a warm-up, TINY_BUILD or TINY_VERSION: `python tools/ship_tiny.py`."""
+"""The multi-turn tiny models and the bandit's tiny judges shipped in tiny/ are today's builds (their names carry the
+key of the scripts' current recipe and warm-up), match tiny/SHA256SUMS, stay under 16 MB, and are what
+build_tiny_model returns on an empty cache. After changing a warm-up, TINY_BUILD, the judges' lessons or TINY_VERSION:
+`python tools/ship_tiny.py`."""
 
 import json
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import plumbing.tiny
+import starpo_bandit as sb
 import starpo_frozenlake as fl
 import starpo_sokoban as ss
 from conftest import ROOT
@@ -29,22 +31,23 @@ def same_torch():
         pytest.skip(f"tiny/ holds builds made with torch {sorted(shipped_torch())}; this is torch {torch.__version__}")
 
 
-@pytest.mark.parametrize("task", sorted(SCRIPTS))
+@pytest.mark.parametrize("task", ship_tiny.TASKS)
 def test_shipped_model_is_todays_build(task, tmp_path):
-    script = SCRIPTS[task]
     examples, recipe = ship_tiny.default_build(task, str(tmp_path / "run"))
-    assert examples == script.tiny_warmup_examples(
-        script.Args(**script.PRESETS["tiny"])
-    )  # what the tests' own fixtures ask for, too
+    if task in SCRIPTS:  # what the tests' own fixtures ask for, too
+        assert examples == SCRIPTS[task].tiny_warmup_examples(SCRIPTS[task].Args(**SCRIPTS[task].PRESETS["tiny"]))
+    else:  # what a default bandit run with --judge tiny or tiny-gullible builds
+        assert examples == sb.tiny_judge_examples([("Phoenix", "Dragon")], gullible=task.endswith("gullible"))
     name = plumbing.tiny.tiny_model_name(task, examples, **recipe)
-    shipped = sorted(p.name for p in plumbing.tiny.SHIPPED_TINY.glob(f"tiny-{task}-*"))
+    shipped = [p.name for p in ship_tiny.shipped(task, plumbing.tiny.SHIPPED_TINY)]
     assert shipped == [name], f"tiny/ holds {shipped}, today's recipe is {name}: run python tools/ship_tiny.py"
     assert (plumbing.tiny.SHIPPED_TINY / name / "model.safetensors").stat().st_size <= ship_tiny.MAX_MODEL_BYTES
 
 
 def test_shipped_files_match_their_checksums():
     assert (plumbing.tiny.SHIPPED_TINY / "SHA256SUMS").read_text() == ship_tiny.checksums(plumbing.tiny.SHIPPED_TINY)
-    assert len(ship_tiny.checksums(plumbing.tiny.SHIPPED_TINY).splitlines()) >= 2 * 6  # weights, config, tokenizer, ...
+    files = ship_tiny.checksums(plumbing.tiny.SHIPPED_TINY).splitlines()
+    assert len(files) >= len(ship_tiny.TASKS) * 6  # weights, config, tokenizer, ...
 
 
 def test_an_empty_cache_gets_the_shipped_model_and_an_edited_prompt_does_not(tmp_path, monkeypatch):

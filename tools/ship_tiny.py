@@ -1,22 +1,26 @@
-"""Build the multi-turn tiny models and ship them in tiny/, where plumbing.tiny.build_tiny_model finds them when your own
-cache ($STARPO_CACHE) has no build for today's recipe: a first FrozenLake or Sokoban run then starts at once
-instead of after a build. Both have a 1,500-step reading stage, then 600 warm-up steps: FrozenLake's about 37
-minutes on two idle cores (its reading stage 768 s, then 1,459 s of warm-up on ten-turn episodes), Sokoban's 33
-(888 s, then 1,088 s); build_info.json's build_seconds counts the warm-up alone when a cached reading stage is
-reused. The bandit's model (1.5 minutes) is built on first use.
+"""Build the multi-turn tiny models and the bandit's tiny judges and ship them in tiny/, where
+plumbing.tiny.build_tiny_model finds them when your own cache ($STARPO_CACHE) has no build for today's recipe: a first
+FrozenLake or Sokoban run (or a bandit run with --judge tiny or tiny-gullible) then starts at once instead of after a
+build. Both multi-turn models have a 1,500-step reading stage, then 600 warm-up steps: FrozenLake's about 37 minutes
+on two idle cores (its reading stage 768 s, then 1,459 s of warm-up on ten-turn episodes), Sokoban's 33 (888 s, then
+1,088 s); build_info.json's build_seconds counts the warm-up alone when a cached reading stage is reused. Each judge
+takes a few minutes (its build_seconds). The bandit's own model (1.5 minutes) is built on first use.
 
     python tools/ship_tiny.py                # fresh builds in a temporary cache (about an hour on two cores)
     python tools/ship_tiny.py --from-cache   # copy the builds $STARPO_CACHE already holds for today's keys
     python tools/ship_tiny.py --task sokoban # one task's model (Sokoban's: about 30 minutes)
+    python tools/ship_tiny.py --task bandit-judge --task bandit-judge-gullible   # the judges
 
-Run it after changing a multi-turn script's warm-up, its TINY_BUILD or plumbing.tiny.TINY_VERSION: tests/test_tiny_shipped.py
-fails until you do. It replaces the task's older shipped builds and rewrites tiny/SHA256SUMS.
+Run it after changing a multi-turn script's warm-up, its TINY_BUILD, the bandit's tiny_judge_examples or
+TINY_JUDGE, or plumbing.tiny.TINY_VERSION: tests/test_tiny_shipped.py fails until you do. It replaces the task's
+older shipped builds and rewrites tiny/SHA256SUMS.
 """
 
 import argparse
 import hashlib
 import importlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -27,18 +31,25 @@ sys.path.insert(0, str(ROOT))
 import plumbing.flags  # noqa: E402
 import plumbing.tiny  # noqa: E402
 
-TASKS = ("frozenlake", "sokoban")
+TASKS = ("frozenlake", "sokoban", "bandit-judge", "bandit-judge-gullible")  # the bandit's tiny judges: --judge tiny*
 MAX_MODEL_BYTES = 16 * 2**20  # what a shipped model.safetensors may weigh
 
 
 def default_build(task: str, scratch: str) -> tuple[list, dict]:
     """The warm-up examples and build recipe the script's own `--model tiny` run uses (scratch: an unused run dir)."""
-    script = importlib.import_module(f"starpo_{task}")
+    script = importlib.import_module(f"starpo_{task.split('-')[0]}")
     flags = ["--model", "tiny", "--output-dir", scratch]
     args = script.resolve_args(
         plumbing.flags.parse_args(script.Args, flags, presets=script.PRESETS, algos=script.ALGOS)
     )[0]
+    if task.startswith("bandit-judge"):  # on the default arms; other arms build their judges on first use
+        return script.tiny_judge_examples(script.arm_pairs(args), gullible=task.endswith("gullible")), script.TINY_JUDGE
     return script.tiny_warmup_examples(args), script.TINY_BUILD
+
+
+def shipped(task: str, root: Path = ROOT / "tiny") -> list[Path]:
+    """The task's builds in tiny/: tiny-<task>-<12 hex digits> (so bandit-judge's are not bandit-judge-gullible's)."""
+    return sorted(p for p in root.glob(f"tiny-{task}-*") if re.fullmatch(f"tiny-{task}-[0-9a-f]{{12}}", p.name))
 
 
 def checksums(root: Path) -> str:
@@ -70,7 +81,7 @@ def main() -> None:
                     f"error: {built.name} weighs {size / 2**20:.1f} MB, over the {MAX_MODEL_BYTES >> 20} MB allowed"
                 )
             target = ROOT / "tiny" / built.name
-            for old in (ROOT / "tiny").glob(f"tiny-{task}-*"):
+            for old in shipped(task):
                 if old != target:
                     shutil.rmtree(old)
             if not target.exists():
