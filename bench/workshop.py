@@ -68,12 +68,16 @@ def summarise(run_dir: Path) -> dict:
         "train/action_is_valid",
         "train/action_is_effective",
     ]
-    keys += sorted({k for r in train for k in r if k.startswith("rubric/")})
+    keys += sorted({k for r in train for k in r if k.startswith(("rubric/", "judge/", "adv_share/"))})
+    judged = (json.loads((run_dir / "config.json").read_text()).get("judged") or {}).get("rewarded", [])
+    curve = ["step", *(f"rubric/{n}" for n in judged), "judge/agreement", "val/success"]  # what the warning reads
     return {
         "val_success": evals,
         "first_last_3_steps": {k: v for k in keys if (v := first_last(k)) is not None},
         "grad_norm_max": round(max(r.get("actor/grad_norm", 0) for r in train), 3) if train else None,
         "echo_trap_warnings_at": [r["step"] for r in train if r.get("warn/echo_trap")],
+        "reward_hacking_warnings_at": [r["step"] for r in train if r.get("warn/reward_hacking")],
+        **({"judge_curve": [{k: r[k] for k in curve if k in r} for r in rows]} if judged else {}),
         "baselines": {k: round(rows[0][k], 3) for k in ("val/random_success", "val/optimal_success") if k in rows[0]},
     }
 
