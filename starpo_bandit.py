@@ -921,7 +921,7 @@ def tiny_judge_examples(pairs: list[tuple[str, str]], gullible: bool, n: int = 4
 
 
 def build_tiny_judge(name: str, pairs: list[tuple[str, str]]) -> str:
-    """--judge tiny / tiny-gullible: the judge's directory, built on first use (3.5 minutes on 2 cores), then cached."""
+    """--judge tiny / tiny-gullible: the judge's directory (shipped in tiny/ for the default arms, else built)."""
     examples = tiny_judge_examples(pairs, gullible=name == "tiny-gullible")
     return str(tiny.build_tiny_model(f"{TASK}-{name.replace('tiny', 'judge')}", examples, **TINY_JUDGE))
 
