@@ -920,10 +920,15 @@ def tiny_judge_examples(pairs: list[tuple[str, str]], gullible: bool, n: int = 4
     return examples
 
 
+def tiny_judge_build(name: str, pairs: list[tuple[str, str]]) -> tuple[str, list, dict]:
+    """--judge tiny / tiny-gullible: tiny.build_tiny_model's name, lessons and recipe (tools/ship_tiny.py's too)."""
+    return f"{TASK}-{name.replace('tiny', 'judge')}", tiny_judge_examples(pairs, name == "tiny-gullible"), TINY_JUDGE
+
+
 def build_tiny_judge(name: str, pairs: list[tuple[str, str]]) -> str:
     """--judge tiny / tiny-gullible: the judge's directory (shipped in tiny/ for the default arms, else built)."""
-    examples = tiny_judge_examples(pairs, gullible=name == "tiny-gullible")
-    return str(tiny.build_tiny_model(f"{TASK}-{name.replace('tiny', 'judge')}", examples, **TINY_JUDGE))
+    build, examples, recipe = tiny_judge_build(name, pairs)
+    return str(tiny.build_tiny_model(build, examples, **recipe))
 
 
 TINY_THOUGHTS = [

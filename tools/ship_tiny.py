@@ -42,8 +42,13 @@ def default_build(task: str, scratch: str) -> tuple[list, dict]:
     args = script.resolve_args(
         plumbing.flags.parse_args(script.Args, flags, presets=script.PRESETS, algos=script.ALGOS)
     )[0]
-    if task.startswith("bandit-judge"):  # on the default arms; other arms build their judges on first use
-        return script.tiny_judge_examples(script.arm_pairs(args), gullible=task.endswith("gullible")), script.TINY_JUDGE
+    if task.startswith("bandit-judge"):  # --judge tiny*, on the default arms; other arms build theirs on first use
+        build, examples, recipe = script.tiny_judge_build(
+            "tiny" + task.removeprefix("bandit-judge"), script.arm_pairs(args)
+        )
+        if build != task:
+            sys.exit(f"error: starpo_bandit.tiny_judge_build names {build!r} for the task {task!r}")
+        return examples, recipe
     return script.tiny_warmup_examples(args), script.TINY_BUILD
 
 
