@@ -123,8 +123,9 @@ def prefetch(judge, components: list[Component], turns: list) -> dict:
     the previous call's, so memory stays bounded). The returned dict holds, for the components with a truth,
     judge/agreement (share of successful verdicts on the truth's side of 0.5), judge/false_positive and
     judge/false_negative (shares of successful verdicts that said yes to a no, no to a yes), and over all components
-    judge/fail_frac (failed / asked) and judge/latency_s (this batch's wall time); with several components the same
-    per component as judge/<name>/...; a rate with nothing to count is left out. The raw counts come too
+    judge/fail_frac (failed / asked), judge/cached_frac (answered by the cache / asked) and judge/latency_s (this
+    batch's wall time); with several components the same per component as judge/<name>/... (the cache's share only
+    over all); a rate with nothing to count is left out. The raw counts come too
     (judge/n_asked, n_failed, n_checked, n_agree, n_false_positive, n_false_negative, n_cached): `combine` sums
     several batches' dicts into one step's metrics.
     """
@@ -171,6 +172,8 @@ def combine(*batches: dict) -> dict:
     for p in sorted({k.rsplit("/n_", 1)[0] for k in total if "/n_" in k}):
         if total[f"{p}/n_asked"]:
             out[f"{p}/fail_frac"] = total[f"{p}/n_failed"] / total[f"{p}/n_asked"]
+            if p == "judge":  # the cache counts prompts of every component
+                out["judge/cached_frac"] = total["judge/n_cached"] / total["judge/n_asked"]
         if total[f"{p}/n_checked"]:
             for rate, n in (("agreement", "agree"), ("false_positive",) * 2, ("false_negative",) * 2):
                 out[f"{p}/{rate}"] = total[f"{p}/n_{n}"] / total[f"{p}/n_checked"]

@@ -349,6 +349,7 @@ def test_cached_judge_asks_only_for_misses_and_never_caches_a_failure(tmp_path):
     resumed.cache.put({J.cache_key("counting", c.prompt("t"), Counting.decoding): 0.5})
     m = J.prefetch(resumed, [c], ["t", "u"])
     assert (m["judge/n_cached"], m["judge/n_failed"]) == (1, 1) and "cache" in resumed.describe()
+    assert (m["judge/cached_frac"], m["judge/fail_frac"]) == (0.5, 0.5)
 
 
 def test_cache_tolerates_a_torn_last_line_and_keeps_appending_whole_lines(tmp_path):
