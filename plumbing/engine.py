@@ -100,9 +100,14 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, turn_cache=
         )  # (b,): chunk row -> distinct prompt
         take = turn_cache.take if turn_cache is not None else (lambda p: (0, None))
         pasts = [take(list(p)) for p in distinct]  # (stored length, per-layer keys and values) per distinct prompt
-        cache, past_attn = cache_from_rows(pasts, device)  # (u, C): an empty cache when nothing is stored
         fresh = [p[n:] for p, (n, _) in zip(distinct, pasts)]  # the tokens to prefill now
         width = max(len(p) for p in fresh)
+        cache, past_attn = cache_from_rows(
+            pasts, device, room=max_tokens + width * any(n for n, _ in pasts)
+        )  # (u, C): empty if none stored
+        del pasts  # the stored pasts are in the batch's cache now: the last chunk lets the turn cache drop them
+        if turn_cache is not None and i + batch_size >= len(prompts):
+            turn_cache.release()
         input_ids = torch.full((len(distinct), width), tok.pad_token_id, device=device)  # (u, P), left-padded
         attn = torch.zeros((len(distinct), width), dtype=torch.long, device=device)  # (u, P)
         for j, p in enumerate(fresh):
@@ -118,7 +123,8 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, turn_cache=
             use_cache=True,
             logits_to_keep=1,
         )
-        cache.batch_select_indices(row)  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
+        if len(distinct) < len(chunk):  # (u, ...) -> (b, ...): every member of a group gets its prompt's cache
+            cache.batch_select_indices(row)
         logits, attn, pos = out.logits[row, -1], attn[row], positions[row, -1:]  # (b, V), (b, C + P), (b, 1)
         prompt_cols = attn.shape[1]
         tokens, logps = [], []
@@ -152,13 +158,15 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, turn_cache=
     return results
 
 
-def append_in_place_cache():
+def append_in_place_cache(room: int | None = None):
     """A transformers DynamicCache whose layers append each new token in place, into a buffer with room to spare.
 
     transformers' DynamicLayer appends with torch.cat, which copies the whole cache at every generated token; on the
     bandit's 32-reply batch that copy was 55% of generation time (torch.profiler, CPU). Here a layer copies only
-    when its buffer doubles, and `keys` / `values` stay what transformers reads: the filled part, as a view. Any
-    other change to them (batch_select_indices) is noticed and starts a new buffer. Used for generation only.
+    when its buffer is full, and `keys` / `values` stay what transformers reads: the filled part, as a view. Any
+    other change to them (batch_select_indices) is noticed and starts a new buffer. A new buffer has room for `room`
+    more tokens (hf_generate: the prompt's new tokens and the reply budget, so it never grows mid-reply), or None:
+    as many as it holds (doubling). Used for generation only.
     """
     from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -171,7 +179,8 @@ def append_in_place_cache():
             buf = getattr(self, "buffers", None)
             if buf is None or self.keys.data_ptr() != buf[0].data_ptr() or new > buf[0].shape[-2] or n == 0:
                 old = (self.keys, self.values) if n else (key_states[..., :0, :], value_states[..., :0, :])
-                buf = tuple(x.new_empty(*x.shape[:-2], 2 * new, x.shape[-1]) for x in (key_states, value_states))
+                size = new + (new if room is None else max(room, 1))
+                buf = tuple(x.new_empty(*x.shape[:-2], size, x.shape[-1]) for x in (key_states, value_states))
                 for b, o in zip(buf, old):
                     b[..., :n, :] = o
                 self.buffers = buf
@@ -272,19 +281,26 @@ class TurnCache:
         """Store the cache of `ids` (kv: per layer (K (heads, len(ids), d), V)) for the next call."""
         self.pending.setdefault((len(ids), tuple(ids[-self.TAIL :])), []).append((list(ids), kv))
 
+    def release(self) -> None:
+        """Forget what the previous call stored, once the current call has taken what it needs (memory: those pasts
+        are in the batch's cache by then)."""
+        self.entries = {}
+
     def commit(self) -> None:
         self.entries, self.pending = self.pending, {}
 
 
-def cache_from_rows(rows: list[tuple[int, list | None]], device) -> tuple[object, torch.Tensor]:
+def cache_from_rows(
+    rows: list[tuple[int, list | None]], device, room: int | None = None
+) -> tuple[object, torch.Tensor]:
     """A generation cache holding each row's stored past, left-padded to the longest: (cache, past mask (u, W)).
 
     rows: what TurnCache.take returned for each prompt of the batch ((0, None) where nothing was stored). Padding
-    columns are zeros, masked out. W == 0 (no row has a past) gives an empty cache.
+    columns are zeros, masked out. W == 0 (no row has a past) gives an empty cache. room: append_in_place_cache's.
     """
     width = max(n for n, _ in rows)
     mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)  # (u, W)
-    cache = append_in_place_cache()
+    cache = append_in_place_cache(room)
     if width == 0:
         return cache, mask
     some = next(kv for _, kv in rows if kv is not None)

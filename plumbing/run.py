@@ -256,6 +256,8 @@ class Run:
         self.t_start = time.time()
         self.timings: dict[str, float] = {}
         self._running: list[str] = []
+        self.memory: dict[str, float] = {}  # each phase's peak resident memory this step (GB)
+        self.peak_gb = 0.0  # the process's, so far
         self.last_val = float("nan")
         self.bar = None
 
@@ -274,15 +276,31 @@ class Run:
 
         class _Timer:
             def __enter__(self):
+                run._fold_memory()
                 self.t = time.time()
                 run._running.append(name)
 
             def __exit__(self, *exc):
+                run._fold_memory()
                 run._running.pop()
+                if not run._running:  # a phase's freed memory goes back to the system before the next phase
+                    release_memory()
                 if "eval" not in run._running:
                     run.timings[name] = run.timings.get(name, 0.0) + time.time() - self.t
 
         return _Timer()
+
+    def _fold_memory(self) -> None:
+        """memory_gb/<phase>: the peak resident memory since the last timer boundary counts for every phase running
+        (Linux: /proc's high-water mark, reset at each boundary; elsewhere nothing is measured). Inside `eval`, only
+        eval and the phases around it count (as with the timings). The resets hide the run's peak from tools that
+        read the high-water mark at exit (`/usr/bin/time -f %M`): read memory_gb/peak instead."""
+        gb = peak_rss_gb(reset=True)
+        if gb is not None:
+            self.peak_gb = max(self.peak_gb, gb)
+            running = self._running
+            for name in running[: running.index("eval") + 1] if "eval" in running else running:
+                self.memory[name] = max(self.memory.get(name, 0.0), gb)
 
     def eval_due(self, step: int) -> bool:
         return step == self.args.steps or bool(self.args.eval_every and step % self.args.eval_every == 0)
@@ -317,7 +335,7 @@ class Run:
         )
         self.bar = tqdm_bar(steps, desc=desc, disable=not dist.is_main(), **kw)
         for step in self.bar:
-            self.timings, self.t_step = {}, time.time()
+            self.timings, self.memory, self.t_step = {}, {}, time.time()
             yield step
             if self.stopped_at:
                 return
@@ -325,7 +343,10 @@ class Run:
     def log_eval(self, step: int, val: dict, records) -> None:
         """Step 0's evaluation (before any update): its own metrics line, rollouts and a first report."""
         self.write_rollouts(records)
-        self.metrics.write({"step": step, **val, "time_s": self.time_s(), "timestamp": time.time()})
+        self._fold_memory()
+        release_memory()
+        memory = {"memory_gb/peak": self.peak_gb} if self.peak_gb else {}
+        self.metrics.write({"step": step, **val, **memory, "time_s": self.time_s(), "timestamp": time.time()})
         self._print_eval(step, val)
         if dist.is_main():
             build_report(self.out_dir)
@@ -345,6 +366,10 @@ class Run:
         if "rollout" in timings:  # the rollout's time that was not generation: the environment and tokenising
             timings["env"] = timings.pop("rollout") - timings.get("gen", 0.0)
         record.update({f"timing_s/{k}": v for k, v in timings.items()})
+        self._fold_memory()
+        record.update({f"memory_gb/{k}": v for k, v in self.memory.items()})
+        if self.peak_gb:
+            record["memory_gb/peak"] = self.peak_gb
         self.history.append({k: v for k, v in record.items() if k in self.history_keys})
         if skipped:
             write_line(
@@ -427,6 +452,32 @@ class Run:
             f"report: {build_report(self.out_dir)}"
         )
         dist.finish()
+
+
+def release_memory() -> None:
+    """Hand the memory freed so far back to the system (glibc's malloc_trim; elsewhere nothing). Without it a
+    process keeps the heap its biggest phase grew (an evaluation's KV caches) resident for the rest of the run, and
+    the next phase's allocations come on top of it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_rss_gb(reset: bool = False) -> float | None:
+    """This process's peak resident memory in GB (Linux's VmHWM), since it started or the last reset; reset: start
+    counting afresh from the memory in use now. None where /proc has no such count (macOS, Windows)."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kb / 2**20
 
 
 def tqdm_bar(iterable, **kw):

@@ -429,6 +429,11 @@ def test_smoke_two_steps(algo, estimator, tmp_path):
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert EXPECTED_KEYS <= set(rows[1]), EXPECTED_KEYS - set(rows[1])
     assert {"val/success", "val/reward"} <= set(rows[0]) and {"val/success", "val/reward"} <= set(rows[2])
+    if plumbing.run.peak_rss_gb() is not None:  # Linux: each phase's peak resident memory, and the process's
+        phases = {k: v for k, v in rows[1].items() if k.startswith("memory_gb/") and k != "memory_gb/peak"}
+        assert {"memory_gb/gen", "memory_gb/update", "memory_gb/eval"} <= set(phases), sorted(rows[1])
+        assert 0.1 < max(phases.values()) <= rows[1]["memory_gb/peak"] < 100
+        assert rows[0]["memory_gb/peak"] <= rows[1]["memory_gb/peak"] <= rows[2]["memory_gb/peak"]
     ckpt = plumbing.run.latest_checkpoint(tmp_path)
     assert ckpt.name == "step-000002"
     state = plumbing.run.load_checkpoint_state(ckpt)

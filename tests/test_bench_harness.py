@@ -118,3 +118,23 @@ def test_profile_step_lists_where_a_rollout_and_its_update_spend_their_time(tmp_
         assert len(ops) == 3 and all(0 < o["share"] <= 1 and o["calls"] > 0 for o in ops)
         assert [o["self_s"] for o in ops] == sorted((o["self_s"] for o in ops), reverse=True)
     assert r["update"]["rows"] == 32 and r["update"]["padded_tokens"] > 0  # half of 8 groups of 8 kept
+
+
+def test_the_memory_benchmark_records_each_phase_and_the_peak(tmp_path):
+    """bench/memory_cpu.py on a short bandit run: the peak covers every phase of step 1, evaluation included."""
+    out = tmp_path / "m.json"
+    flags = ["--val-size", "8", "--n-groups", "2", "--group-size", "4"]
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_cpu.py"), "bandit", "--out", str(out), "--", *flags],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    (run,) = json.loads(out.read_text())["runs"].values()
+    assert (
+        run["command"].startswith("python starpo_bandit.py --steps 1 --eval-every 1") and len(run["val_success"]) == 2
+    )
+    if run["step1_gb"]:  # Linux
+        assert {"gen", "update", "eval", "peak"} <= set(run["step1_gb"]) and 0.1 < run["peak_gb"] < 100
+        assert max(run["step1_gb"].values()) <= run["peak_gb"] and run["step0_gb"]["peak"] <= run["peak_gb"]
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "memory_cpu.py"), "pong"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown task(s): pong" in bad.stderr

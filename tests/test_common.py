@@ -1507,6 +1507,27 @@ def test_turn_cache_finds_the_longest_stored_strict_prefix_from_the_last_call_on
     assert n == 2 and torch.equal(stored[0][0], kv(2)[0][0])
 
 
+def test_a_cache_with_room_never_copies_mid_reply_and_a_released_turn_cache_forgets():
+    """hf_generate's memory: the batch's cache is allocated once with room for the reply (no doubling), and the
+    turn cache drops the previous turn's pasts once they are in the batch's cache."""
+    cache = plumbing.engine.append_in_place_cache(room=4)
+    k = torch.ones(2, 2, 7, 3)
+    cache.update(k, -k, 0)
+    start = cache.layers[0].keys.data_ptr()
+    assert cache.layers[0].buffers[0].shape == (2, 2, 11, 3)
+    for _ in range(4):
+        cache.update(k[:, :, :1], -k[:, :, :1], 0)
+    assert cache.layers[0].keys.data_ptr() == start and cache.get_seq_length() == 11
+    cache.update(k[:, :, :1], -k[:, :, :1], 0)  # past the room: a new buffer, with room again
+    assert cache.layers[0].buffers[0].shape == (2, 2, 16, 3) and (cache.layers[0].values == -1).all()
+    c = plumbing.engine.TurnCache()
+    c.put([5, 5], [(torch.zeros(2, 2, 3), torch.zeros(2, 2, 3))])
+    c.commit()
+    assert c.take([5, 5, 1])[0] == 2
+    c.release()
+    assert c.take([5, 5, 1]) == (0, None)
+
+
 def test_cache_from_rows_left_pads_each_past_and_masks_the_padding():
     kv = lambda n: [(torch.full((2, n, 3), 1.0 + n), torch.full((2, n, 3), -1.0 - n))]  # noqa: E731
     cache, mask = plumbing.engine.cache_from_rows([(2, kv(2)), (0, None), (4, kv(4))], "cpu")

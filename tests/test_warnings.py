@@ -214,3 +214,23 @@ def test_bench_warnings_replay_replays_a_sweep_runs_std_curve_step_by_step():
     assert [r["step"] for r in rows] == list(range(1, 25)) and then == {"echo_trap": [9]}
     assert warnings_replay.replay(rows) == {"echo_trap": [20]}
     assert warnings_replay.recorded([{"step": 3, "warn/gradient_spike": 1}, {"step": 4}]) == {"gradient_spike": [3]}
+
+
+@pytest.mark.skipif(plumbing_run.peak_rss_gb() is None, reason="no /proc high-water mark on this system")
+def test_each_phase_logs_its_own_peak_memory_and_eval_keeps_its_own(run, tmp_path):
+    """memory_gb/<phase>: 400 MB held inside `update` shows there and in the process's peak, not in `gen` (run
+    before it, the count reset between them); `gen` inside `eval` counts for eval only, as its seconds do."""
+    run.t_step = time.time()
+    with run.timer("gen"):
+        pass
+    with run.timer("update"):
+        block = bytearray(400 * 2**20)
+        block[::4096] = b"x" * len(block[::4096])  # touch every page: resident
+        del block
+    with run.timer("eval"):
+        with run.timer("gen"):
+            pass
+    run.end_step(1, {"step": 1, "train/success": 0.5, "rollout/in_group_std": 0.3}, skipped=0)
+    row = lines(tmp_path / "metrics.jsonl")[-1]
+    assert row["memory_gb/update"] - row["memory_gb/gen"] > 0.3
+    assert row["memory_gb/peak"] >= row["memory_gb/update"] > row["memory_gb/eval"]
