@@ -37,7 +37,7 @@ SMALL = [
     "--max-tokens",
     "24",
 ]
-TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$)")
+TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$|memory_gb/)")
 
 
 def metrics(run_dir):

@@ -15,7 +15,7 @@ from conftest import FakeTok
 from plumbing import metrics
 
 QUICK = ["--n-groups", "2", "--group-size", "4", "--val-size", "4", "--eval-every", "0", "--sample-every", "0"]
-TIMING = ("timing_s/", "time_s", "timestamp")
+TIMING = ("timing_s/", "time_s", "timestamp", "memory_gb/")
 
 
 def rows_of(run_dir):

@@ -19,7 +19,7 @@ from conftest import ROOT, tiny_qwen
 from plumbing.report import read_jsonl
 
 SMALL = ["--n-groups", "2", "--group-size", "4", "--val-size", "8", "--sample-every", "0", "--max-tokens", "24"]
-TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$)")
+TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$|memory_gb/)")
 
 
 def logits(model, ids):

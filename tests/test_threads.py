@@ -17,7 +17,7 @@ import plumbing.cpu
 from conftest import ROOT
 from plumbing.report import read_jsonl
 
-TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$)")
+TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$|memory_gb/)")
 
 
 def run(script, threads, out, *flags):
