@@ -15,12 +15,10 @@ A full default run adds nothing new after step 1: more steps of the same sizes (
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
-from harness import ROOT, machine
+from harness import ROOT, machine, run_script
 
 SCRIPTS = ("bandit", "frozenlake", "sokoban")
 OUT = ROOT / "bench" / "results" / "memory_cpu.json"
@@ -28,23 +26,16 @@ OUT = ROOT / "bench" / "results" / "memory_cpu.json"
 
 def measure(task: str, extra: list[str]) -> dict:
     flags = ["--steps", "1", "--eval-every", "1", "--sample-every", "0", "--save-every", "0", *extra]
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, f"starpo_{task}.py", *flags, "--output-dir", f"{tmp}/run"]
-        load, t0 = os.getloadavg(), time.time()
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if proc.returncode:
-            sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        rows = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+    run = run_script(f"starpo_{task}.py", flags, warm_cache=True)
     memory = lambda r: {k.split("/", 1)[1]: round(v, 3) for k, v in r.items() if k.startswith("memory_gb/")}  # noqa: E731
     return {
         "command": f"python starpo_{task}.py {' '.join(flags)}",
-        "peak_gb": round(max(r.get("memory_gb/peak", 0.0) for r in rows), 3),
-        "step0_gb": memory(rows[0]),
-        "step1_gb": memory(rows[1]),
-        "val_success": [r.get("val/success") for r in rows],
-        "wall_s": round(time.time() - t0, 1),
-        "machine": machine(load),
+        "peak_gb": round(max(r.get("memory_gb/peak", 0.0) for r in run["rows"]), 3),
+        "step0_gb": memory(run["rows"][0]),
+        "step1_gb": memory(run["rows"][1]),
+        "val_success": [r.get("val/success") for r in run["rows"]],
+        "wall_s": round(run["wall"], 1),
+        "machine": machine(run["load_start"]),
         "date": time.strftime("%Y-%m-%d"),
     }
 
