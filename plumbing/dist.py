@@ -146,10 +146,14 @@ VARY_WITH_PROCESSES += ("actor/grad_norm",)  # compared to a tolerance instead (
 VARY_WITH_PROCESSES += ("rollout/stale_logprob_diff_mean", "rollout/stale_logprob_diff_max")
 
 
+# the metrics a run measures of its process (seconds, the clock, memory), not of its maths: never compared across runs
+MEASURED = ("timing_s/", "time_s", "timestamp", "memory_gb/")
+
+
 def differing_metrics(a: dict, b: dict) -> dict:
     """{key: (a's, b's)} for the metrics of row a that row b does not repeat, timings and VARY_WITH_PROCESSES aside:
     empty when two runs on different process counts agree as they should."""
-    varies = lambda k: k.startswith(("timing_s/", "time_s", "timestamp", "memory_gb/")) or k in VARY_WITH_PROCESSES
+    varies = lambda k: k.startswith(MEASURED) or k in VARY_WITH_PROCESSES
     return {k: (a[k], b.get(k)) for k in a if not varies(k) and a[k] != b.get(k)}
 
 

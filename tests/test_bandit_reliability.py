@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import plumbing.dist
 import plumbing.engine
 import plumbing.run
 import starpo_bandit as sb
@@ -37,12 +38,13 @@ SMALL = [
     "--max-tokens",
     "24",
 ]
-TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$|memory_gb/)")
+TIMING = plumbing.dist.MEASURED
 
 
 def metrics(run_dir):
     return [
-        {k: v for k, v in row.items() if not TIMING.match(k)} for row in read_jsonl(Path(run_dir) / "metrics.jsonl")
+        {k: v for k, v in row.items() if not k.startswith(TIMING)}
+        for row in read_jsonl(Path(run_dir) / "metrics.jsonl")
     ]
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import plumbing.dist
 import plumbing.flags
 import starpo_frozenlake as fl
 import starpo_sokoban as ss
@@ -15,7 +16,7 @@ from conftest import FakeTok
 from plumbing import metrics
 
 QUICK = ["--n-groups", "2", "--group-size", "4", "--val-size", "4", "--eval-every", "0", "--sample-every", "0"]
-TIMING = ("timing_s/", "time_s", "timestamp", "memory_gb/")
+TIMING = plumbing.dist.MEASURED
 
 
 def rows_of(run_dir):

@@ -5,7 +5,6 @@ is recorded in config.json, a resumed run starts on it, and between steps the co
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +13,11 @@ import pytest
 import torch
 
 import plumbing.cpu
+import plumbing.dist
 from conftest import ROOT
 from plumbing.report import read_jsonl
 
-TIMING = re.compile(r"^(timing_s/|time_s$|timestamp$|memory_gb/)")
+TIMING = plumbing.dist.MEASURED
 
 
 def run(script, threads, out, *flags):
@@ -27,7 +27,9 @@ def run(script, threads, out, *flags):
                        text=True, cwd=ROOT, env=env, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"threads: {threads} (STARPO_THREADS)" in r.stdout
-    return [{k: v for k, v in row.items() if not TIMING.match(k)} for row in read_jsonl(Path(out) / "metrics.jsonl")]
+    return [
+        {k: v for k, v in row.items() if not k.startswith(TIMING)} for row in read_jsonl(Path(out) / "metrics.jsonl")
+    ]
 
 
 @pytest.mark.parametrize(
