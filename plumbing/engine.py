@@ -102,9 +102,8 @@ def hf_generate(model, tok, prompts, temperature, top_p, max_tokens, turn_cache=
         pasts = [take(list(p)) for p in distinct]  # (stored length, per-layer keys and values) per distinct prompt
         fresh = [p[n:] for p, (n, _) in zip(distinct, pasts)]  # the tokens to prefill now
         width = max(len(p) for p in fresh)
-        cache, past_attn = cache_from_rows(
-            pasts, device, room=max_tokens + width * any(n for n, _ in pasts)
-        )  # (u, C): empty if none stored
+        stored = any(n for n, _ in pasts)  # then the prefill's `width` new tokens go into the cache's buffer too
+        cache, past_attn = cache_from_rows(pasts, device, room=max_tokens + (width if stored else 0))  # (u, C)
         del pasts  # the stored pasts are in the batch's cache now: the last chunk lets the turn cache drop them
         if turn_cache is not None and i + batch_size >= len(prompts):
             turn_cache.release()

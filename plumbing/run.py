@@ -12,6 +12,7 @@ Under torchrun only rank 0 writes (files, report, checkpoints, printed lines); t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -454,16 +455,23 @@ class Run:
         dist.finish()
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once; None elsewhere (macOS, musl, Windows)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def release_memory() -> None:
     """Hand the memory freed so far back to the system (glibc's malloc_trim; elsewhere nothing). Without it a
     process keeps the heap its biggest phase grew (an evaluation's KV caches) resident for the rest of the run, and
     the next phase's allocations come on top of it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    if _malloc_trim() is not None:
+        _malloc_trim()(0)
 
 
 def peak_rss_gb(reset: bool = False) -> float | None:
