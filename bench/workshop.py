@@ -67,8 +67,10 @@ def summarise(run_dir: Path) -> dict:
         "train/num_actions",
         "train/action_is_valid",
         "train/action_is_effective",
+        "rollout/policy_age",
+        "rollout/stale_logprob_diff_mean",
     ]
-    keys += sorted({k for r in train for k in r if k.startswith(("rubric/", "judge/", "adv_share/"))})
+    keys += sorted({k for r in train for k in r if k.startswith(("rubric/", "judge/", "adv_share/", "gigpo/"))})
     judged = (json.loads((run_dir / "config.json").read_text()).get("judged") or {}).get("rewarded", [])
     curve = ["step", *(f"rubric/{n}" for n in judged), "judge/agreement", "val/success"]  # what the warning reads
     return {
