@@ -70,7 +70,9 @@ def build_model(out: Path, quick: bool) -> tuple[str, int, int]:
     """Qwen2.5-0.5B-Instruct's architecture (hidden 64 x 2 layers with --quick), random, the tiny tokenizer inside."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    tiny = plumbing.tiny.build_tiny_model("sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD)
+    tiny = plumbing.tiny.build_tiny_model(
+        "sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD
+    )
     tok = AutoTokenizer.from_pretrained(tiny)
     hidden, mlp, layers, heads, kv, vocab, tied = memory_plan.QWEN["0.5B"]
     if quick:
@@ -107,7 +109,9 @@ def run(script: str, model: str, engine: str, flags: list[str], out: Path) -> di
     return {"rows": rows_of(out), "shapes": shapes, "wall_s": round(time.time() - t0, 1)}
 
 
-def killed_and_resumed(script: str, model: str, engine: str, flags: list[str], out: Path, reference: list[dict]) -> dict:
+def killed_and_resumed(
+    script: str, model: str, engine: str, flags: list[str], out: Path, reference: list[dict]
+) -> dict:
     """kill -9 once step 1's checkpoint is complete, --resume: the metrics that differ from the uninterrupted run."""
     env = dict(os.environ, SHAPES_FILE=os.devnull)
     proc = subprocess.Popen(command(script, model, engine, flags, out), cwd=ROOT, env=env,
@@ -191,8 +195,9 @@ def baseline_gib() -> float:
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout) * 1024 / GIB
 
 
-def predicted_update_gib(model_path: str, flags: list[str], shapes: list[list[int]], per_token: dict, base: float,
-                         engine: str):
+def predicted_update_gib(
+    model_path: str, flags: list[str], shapes: list[list[int]], per_token: dict, base: float, engine: str
+):
     """The plan's update at the sizes that ran: fixed (float32 weights 4 B, gradients + AdamW 12 B per trained
     parameter; the critic, GAE's, a second body) + the largest micro-batch's activations + the process's baseline
     + with vLLM its engine in the same process (its bf16 weights and the KV cache the scripts reserve on a CPU)."""
@@ -240,7 +245,9 @@ def main(argv=None) -> None:
                 for key in ("fp32", "fp32_checkpointed")}  # fmt: skip
         per_token = {key: memory_plan.per_token(*r) for key, r in runs.items()}
         del measured
-        result["bytes_per_token"] = {k: {"body": round(v[0]), "head_per_trained": round(v[1])} for k, v in per_token.items()}
+        result["bytes_per_token"] = {
+            k: {"body": round(v[0]), "head_per_trained": round(v[1])} for k, v in per_token.items()
+        }
         base = baseline_gib()
         for engine in a.engines:
             for script in a.scripts:
