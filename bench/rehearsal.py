@@ -228,7 +228,10 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="hidden 64 x 2 layers (Qwen's vocabulary kept): a check")
     ap.add_argument("--engines", nargs="+", choices=["hf", "vllm"], default=["hf", "vllm"])
     ap.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), default=None,
+        help="default: full_critic for every script, and all three on starpo_sokoban.py (the paper's main task)",
+    )  # fmt: skip
     ap.add_argument("--out", default=None, help="default bench/results/rehearsal[_quick].json")
     a = ap.parse_args(argv)
     load = os.getloadavg()
@@ -251,7 +254,7 @@ def main(argv=None) -> None:
         base = baseline_gib()
         for engine in a.engines:
             for script in a.scripts:
-                for name in a.configs:
+                for name in a.configs or (list(CONFIGS) if script == "starpo_sokoban.py" else ["full_critic"]):
                     key, flags = f"{script}/{engine}/{name}", CONFIGS[name]
                     print(f"[rehearsal] {key}", flush=True)
                     done = run(script, model, engine, flags, Path(tmp) / key.replace("/", "-"))
