@@ -13,6 +13,10 @@ It needs only torch and transformers (no vLLM, no download), so it runs on a bar
   4. torchrun with 2 processes (nccl, one GPU each) against one process with --request-seeds, the bandit's tiny
      model: the metrics that must agree, and s/step of each. Skipped, saying so, with fewer than 2 GPUs.
 
+What it cannot check: vLLM on CUDA (the lent machine has no vLLM and reaches no registry), so the engine, its weight
+push and a merged LoRA model loaded by vLLM are not run on the GPU. bench/rehearsal.py runs them on vLLM's CPU build
+(the same engine code) at the full size, Qwen's 151,936-row vocabulary included, with --resume and the memory plan.
+
     python bench/gpu_smoke.py                        # on a GPU machine
     python bench/gpu_smoke.py --device cpu --quick   # the same plumbing on a CPU in a minute or two (a check)
 """

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 
 import memory_plan  # noqa: E402
 import plumbing.dist  # noqa: E402
+import plumbing.run  # noqa: E402
 import plumbing.tiny  # noqa: E402
 import starpo_sokoban as ss  # noqa: E402
 from harness import machine, write_result  # noqa: E402
@@ -50,7 +52,9 @@ from harness import machine, write_result  # noqa: E402
 SCRIPTS = ("starpo_bandit.py", "starpo_frozenlake.py", "starpo_sokoban.py")
 CONFIGS = {"full_critic": [], "lora64": ["--lora-rank", "64"], "checkpointing": ["--gradient-checkpointing"]}
 SMALL = ["--preset", "paper", "--steps", "2", "--eval-every", "0", "--val-size", "4", "--n-groups", "2",
-         "--group-size", "2", "--max-tokens", "32", "--mi-every", "0", "--sample-every", "0", "--save-every", "1"]  # fmt: skip
+         "--group-size", "2", "--max-tokens", "32", "--mi-every", "0", "--sample-every", "0", "--save-every", "1",
+         "--micro-batch-size", "1"]  # fmt: skip
+# (one row a micro-batch: with the critic the full size needs ~20 GB of this machine's 23)
 GIB = 2**30
 
 # Run SCRIPT's main with plumbing.update.micro_batches wrapped: each micro-batch's (rows, columns) go to SHAPES_FILE.
@@ -189,10 +193,12 @@ def merge_check(checkpoint: Path, engines: list[str]) -> dict:
     return result
 
 
-def baseline_gib() -> float:
-    """Resident memory of a process that imported torch and transformers, before any model: what the plan leaves out."""
-    code = "import torch, transformers, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
-    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout) * 1024 / GIB
+def baseline_gib(script: str, engine: str) -> float:
+    """Resident memory of a fresh process that imported SCRIPT (torch, transformers; vLLM for its engine), before any
+    model: what the plan leaves out. Read from VmHWM: ru_maxrss would carry this process's peak across the exec."""
+    code = f"import {Path(script).stem}{', vllm' if engine == 'vllm' else ''}; import plumbing.run as r; "
+    code += "print(r.peak_rss_gb())"
+    return float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout)
 
 
 def predicted_update_gib(
@@ -217,9 +223,8 @@ def predicted_update_gib(
     key = "fp32_checkpointed" if "--gradient-checkpointing" in flags else "fp32"
     tokens = max(r * c for r, c in shapes)  # the largest micro-batch, padded; half of it trained at most
     activations = per_token[key][0] * tokens + per_token[key][1] * tokens / 2
-    return {"fixed_gib": round(fixed / GIB, 2), "activations_gib": round(activations / GIB, 2),
-            "baseline_gib": round(base, 2), "engine_gib": round(resident, 2),
-            "update_gib": round((fixed + activations) / GIB + base + resident, 2),
+    return {"fixed_gib": fixed / GIB, "activations_gib": activations / GIB, "baseline_gib": base,
+            "engine_gib": resident, "update_gib": (fixed + activations) / GIB + base + resident,
             "largest_micro_batch": max(shapes, key=lambda s: s[0] * s[1])}  # fmt: skip
 
 
@@ -236,8 +241,11 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     load = os.getloadavg()
     out = Path(a.out or ROOT / "bench" / "results" / f"rehearsal{'_quick' if a.quick else ''}.json")
-    result = {"command": "python bench/rehearsal.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"commands": ["python bench/rehearsal.py " + " ".join(argv if argv is not None else sys.argv[1:])],
               "torch": torch.__version__, "runs": {}}  # fmt: skip
+    earlier = json.loads(out.read_text()) if out.exists() else {}
+    if earlier.get("model", {}).get("quick") == a.quick and "commands" in earlier:  # keep the runs not run again
+        result = {**result, "runs": earlier["runs"], "commands": earlier["commands"] + result["commands"]}
     with tempfile.TemporaryDirectory() as tmp:
         model, params, vocab = build_model(Path(tmp) / "qwen-sized", a.quick)
         result["model"] = {"params": params, "tokenizer_vocab": vocab, "embedding_rows": 151936, "quick": a.quick}
@@ -248,12 +256,13 @@ def main(argv=None) -> None:
                 for key in ("fp32", "fp32_checkpointed")}  # fmt: skip
         per_token = {key: memory_plan.per_token(*r) for key, r in runs.items()}
         del measured
+        plumbing.run.release_memory()  # the parent's 2 GB model freed to the system, not kept beside the runs
         result["bytes_per_token"] = {
             k: {"body": round(v[0]), "head_per_trained": round(v[1])} for k, v in per_token.items()
         }
-        base = baseline_gib()
         for engine in a.engines:
             for script in a.scripts:
+                base = baseline_gib(script, engine)
                 for name in a.configs or (list(CONFIGS) if script == "starpo_sokoban.py" else ["full_critic"]):
                     key, flags = f"{script}/{engine}/{name}", CONFIGS[name]
                     print(f"[rehearsal] {key}", flush=True)
@@ -266,14 +275,16 @@ def main(argv=None) -> None:
                     entry = {
                         "wall_s": done["wall_s"],
                         "s_per_step": [round(r["timing_s/step"], 1) for r in train],
+                        "push_s": [round(r["timing_s/push"], 1) for r in train if "timing_s/push" in r],
                         "logprob_diff_mean": [r.get("rollout/logprob_diff_mean") for r in train],
                         "logprob_diff_max": [r.get("rollout/logprob_diff_max") for r in train],
                         "memory_gb": {k.split("/", 1)[1]: round(max(r[k] for r in train if k in r), 2)
                                       for k in sorted({k for r in train for k in r if k.startswith("memory_gb/")})},
-                        "predicted": predicted_update_gib(model, flags, done["shapes"], per_token, base, engine),
                     }  # fmt: skip
+                    predicted = predicted_update_gib(model, flags, done["shapes"], per_token, base, engine)
+                    entry["predicted"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in predicted.items()}
                     entry["measured_over_predicted"] = round(
-                        entry["memory_gb"].get("update", 0) / entry["predicted"]["update_gib"], 3
+                        entry["memory_gb"].get("update", 0) / predicted["update_gib"], 3
                     )
                     out_dir = Path(tmp) / key.replace("/", "-")
                     if name == "full_critic":
@@ -283,6 +294,8 @@ def main(argv=None) -> None:
                     if name == "lora64":
                         entry["merge"] = merge_check(out_dir / "checkpoints" / "step-000002", a.engines)
                     result["runs"][key] = entry
+                    for d in Path(tmp).glob(key.replace("/", "-") + "*"):  # a full-size run's checkpoints: ~12 GB each
+                        shutil.rmtree(d) if d.is_dir() else d.unlink()
                     print(json.dumps(entry)[:600], flush=True)
                     write_result(out, {**result, "machine": machine(load)})
     write_result(out, {**result, "machine": machine(load)})
