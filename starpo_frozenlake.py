@@ -758,8 +758,9 @@ def vllm_generate(llm, tok, prompts, temperature, top_p, max_tokens, seeds=None)
 def vllm_push_weights(llm, model, awake: bool = True) -> None:
     """Copy the freshly updated policy into the engine, then drop the prefixes it cached under the old weights.
 
-    Every tensor is cast to the engine's dtype first, and goes through vLLM's own loader (reload_weights, in vLLM
-    0.32 and 0.33): it maps names, skips a tied lm_head, and re-runs what the backend does after loading (the CPU
+    Each tensor is cast to the engine's dtype as vLLM's own loader takes it (reload_weights, in vLLM 0.32 and 0.33;
+    a list of them all is a second model, 1.2 GB at Qwen2.5-0.5B's size, which ran a 23 GB rehearsal out of memory):
+    it maps names, skips a tied lm_head, and re-runs what the backend does after loading (the CPU
     backend repacks its linear layers; writing into the model's parameters directly would break there). Buffers
     are not pushed: the rotary cos/sin cache is computed, not trained, and vLLM keeps its own (it logs "RotaryEmbedding:
     Failed to load weights" at warning level as it does; the float32 test's 1e-3 agreement after a push shows it).
@@ -770,7 +771,7 @@ def vllm_push_weights(llm, model, awake: bool = True) -> None:
     if not awake:
         llm.wake_up()
     dtype = llm.llm_engine.model_config.dtype
-    weights = [(name, t.detach().to(dtype)) for name, t in lora.merged_state_dict(model).items()]  # LoRA: merged
+    weights = ((name, t.detach().to(dtype)) for name, t in lora.merged_weights(model))  # one at a time; LoRA: merged
     try:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     except (AttributeError, TypeError, NotImplementedError) as e:
@@ -1480,10 +1481,11 @@ def main(argv=None):
                 stats, skipped = ppo_update(
                     policy, critic, ref, opt, critic_opt, batch, inputs, args, shuffle_gen, autocast
                 )
-                if llm is not None:
-                    vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
                 if sampler is not policy:
                     sampler.load_state_dict(policy.state_dict())  # the bf16 sampler takes the new weights, cast
+            if llm is not None:
+                with run.timer("push"):  # a phase of its own: the update's memory is freed before the push's
+                    vllm_push_weights(llm, policy, awake=not args.vllm_sleep)
             record.update(stats, **mismatch, **estimated, **{"rollout/trained_rows": len(rows)})
 
         # ---- log ---------------------------------------------------------------------------------------------------

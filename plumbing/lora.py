@@ -68,11 +68,18 @@ def adapters_off(model: nn.Module):
             m.enabled = True
 
 
+def merged_weights(model: nn.Module):
+    """(name, weight) under transformers' names, each adapter folded in when its weight is reached: what vLLM gets at
+    each push, one tensor at a time (a model without adapters: its state_dict's items)."""
+    adapted = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    for k, v in model.state_dict().items():
+        if ".lora_" not in k:
+            yield k, adapted[k].merged_weight() if k in adapted else v
+
+
 def merged_state_dict(model: nn.Module) -> dict:
-    """The model's weights under transformers' names, every adapter folded in: what vLLM gets at each push (a model
-    without adapters: its state_dict)."""
-    merged = {f"{name}.weight": m.merged_weight() for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-    return {k: merged.get(k, v) for k, v in model.state_dict().items() if ".lora_" not in k}
+    """merged_weights as a dict (tools/merge_lora.py): the whole merged model at once."""
+    return dict(merged_weights(model))
 
 
 def adapter_state(model) -> dict:

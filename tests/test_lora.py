@@ -43,6 +43,38 @@ def test_the_adapted_model_starts_as_the_base_and_adapts_every_decoder_linear_la
     assert set(lora.merged_state_dict(adapted)) == set(base.state_dict())  # transformers' names, nothing more
 
 
+@pytest.mark.parametrize("rank", [0, 4])
+def test_a_push_hands_vllm_one_cast_tensor_at_a_time(monkeypatch, rank):
+    """The paper-sized rehearsal (bench/rehearsal.py) ran out of memory at its second push when the push built every
+    cast tensor first: at 0.5B a second model in bf16, beside the engine's own. The loader gets them one by one."""
+    import gc
+    import types
+    import weakref
+
+    model = lora.add_adapters(tiny_qwen(), rank=rank, alpha=16) if rank else tiny_qwen()
+    most = []
+
+    class Engine:  # what vllm_push_weights touches of vllm.LLM
+        llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.bfloat16))
+
+        def collective_rpc(self, method, kwargs):
+            assert method == "reload_weights"
+            held = []
+            for _, tensor in kwargs["weights_iterator"]:
+                held.append(weakref.ref(tensor))
+                del tensor
+                gc.collect()
+                most.append(sum(r() is not None for r in held))  # cast tensors still alive, this one included
+            assert len(held) == len([k for k in model.state_dict() if ".lora_" not in k])  # every weight, no adapter
+
+        def reset_prefix_cache(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    sb.vllm_push_weights(Engine(), model)
+    assert max(most) == 0  # each cast tensor freed before the next is made (a list held all of them)
+
+
 def test_adding_adapters_leaves_the_sampling_stream_alone():
     """A's random init draws from a forked generator: a LoRA run samples its first episodes as full fine-tuning does."""
     model = tiny_qwen()

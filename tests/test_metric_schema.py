@@ -115,7 +115,7 @@ def test_the_judge_gigpo_gdpo_freshness_and_memory_metrics_are_in_the_glossary()
     keys |= {k for k in judge.combine({"judge/n_asked": 2, "judge/n_failed": 1, "judge/n_checked": 1,
              "judge/n_agree": 1, "judge/n_false_positive": 0, "judge/n_false_negative": 0,
              "judge/n_cached": 1, "judge/latency_s": 0.1}) if "/n_" not in k}  # fmt: skip
-    keys |= {"memory_gb/peak", "memory_gb/gen", "memory_gb/update", "memory_gb/eval"}
+    keys |= {"memory_gb/peak", "memory_gb/gen", "memory_gb/update", "memory_gb/eval", "timing_s/push"}
     keys |= {"rollout/policy_age", "rollout/stale_logprob_diff_mean", "rollout/stale_logprob_diff_max"}
     keys |= {"warn/reward_hacking", "rubric/high_arm_judged"}
     assert len(keys) > 15
