@@ -63,7 +63,8 @@ import plumbing.update as u
 real, out = u.micro_batches, open(os.environ["SHAPES_FILE"], "a")
 def recorded(*a, **k):
     for mb, w in real(*a, **k):
-        out.write(json.dumps([len(mb["idx"]), int(mb["cols"])]) + "\\n"); out.flush()
+        trained = mb["loss_mask"].sum() if "loss_mask" in mb else mb["reply_ids"].numel()  # the bandit: its replies
+        out.write(json.dumps([len(mb["idx"]), int(mb["cols"]), int(trained)]) + "\\n"); out.flush()
         yield mb, w
 u.micro_batches = recorded
 sys.argv = sys.argv[1:]
@@ -94,7 +95,8 @@ def build_model(out: Path, quick: bool) -> tuple[str, int, int]:
 
 
 def command(script: str, model: str, engine: str, flags: list[str], out: Path) -> list[str]:
-    return [sys.executable, "-c", WRAPPED, script, "--model", model, *SMALL, "--backend", engine, *flags,
+    turns = [] if script == "starpo_bandit.py" else ["--max-turns", "2"]  # rows of ~450 tokens: 23 GB holds them
+    return [sys.executable, "-c", WRAPPED, script, "--model", model, *SMALL, *turns, "--backend", engine, *flags,
             "--output-dir", str(out)]  # fmt: skip
 
 
@@ -139,6 +141,19 @@ def killed_and_resumed(
             "identical": steps == [r["step"] for r in reference] and not differ}  # fmt: skip
 
 
+# The merged model in a float32 vLLM engine (the script's own vllm_engine): the prompt log-probs of a batch of ids.
+VLLM_LOGPROBS = """import json, sys
+from unittest import mock
+import vllm
+import starpo_sokoban as ss
+with mock.patch.dict(ss.SETTINGS, vllm_dtype="float32"):
+    llm = ss.vllm_engine(ss.Args(max_model_len=512), sys.argv[1], "cpu")
+batch = json.loads(sys.argv[2])
+params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+outs = llm.generate([vllm.TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
+print(json.dumps([[lp[i].logprob for lp, i in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, batch)]))"""
+
+
 def fixed_batch(tok) -> list[list[int]]:
     texts = ["You are solving the Sokoban puzzle.", "<think> Left is a wall. </think> <answer> Up </answer>"]
     return [tok(t)["input_ids"] for t in texts]
@@ -178,18 +193,12 @@ def merge_check(checkpoint: Path, engines: list[str]) -> dict:
     del adapted
     gap = lambda got: max(abs(a - b) for w, g in zip(want, got) for a, b in zip(w, g))  # noqa: E731
     result["transformers_max_abs_diff"] = gap(hf_logprobs(load(merged), batch))
-    if "vllm" in engines:
-        from unittest import mock
-
-        import vllm
-
-        with mock.patch.dict(ss.SETTINGS, vllm_dtype="float32"):
-            llm = ss.vllm_engine(ss.Args(max_model_len=512), str(merged), "cpu")
-        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outs = llm.generate([vllm.TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
-        got = [[lp[i].logprob for lp, i in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, batch)]
-        result["vllm_max_abs_diff"] = gap(got)
-        del llm
+    if "vllm" in engines:  # in a process of its own: a deleted engine's worker lived on beside the next run
+        done = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, str(merged), json.dumps(batch)], cwd=ROOT,
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode:
+            return {**result, "failed": f"vLLM on the merged model: exit {done.returncode}: {done.stderr[-3000:]}"}
+        result["vllm_max_abs_diff"] = gap(json.loads(done.stdout.strip().splitlines()[-1]))
     return result
 
 
@@ -205,7 +214,8 @@ def predicted_update_gib(
     model_path: str, flags: list[str], shapes: list[list[int]], per_token: dict, base: float, engine: str
 ):
     """The plan's update at the sizes that ran: fixed (float32 weights 4 B, gradients + AdamW 12 B per trained
-    parameter; the critic, GAE's, a second body) + the largest micro-batch's activations + the process's baseline
+    parameter; the critic, GAE's, a second body) + the largest micro-batch's activations (bench/memory_plan.plan's
+    row: both bodies, the head on its trained tokens) + the process's baseline
     + with vLLM its engine in the same process (its bf16 weights and the KV cache the scripts reserve on a CPU)."""
     from transformers import AutoConfig, Qwen2ForCausalLM
 
@@ -220,12 +230,14 @@ def predicted_update_gib(
     fixed = 4 * models + 12 * trains
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))  # GiB, the scripts' default on a CPU
     resident = (2 * total / GIB + kv) if engine == "vllm" else 0.0
-    key = "fp32_checkpointed" if "--gradient-checkpointing" in flags else "fp32"
-    tokens = max(r * c for r, c in shapes)  # the largest micro-batch, padded; half of it trained at most
-    activations = per_token[key][0] * tokens + per_token[key][1] * tokens / 2
+    body, head = per_token["fp32"]  # as the plan prices a row: both bodies (one backward serves the policy and the
+    if "--gradient-checkpointing" in flags:  # critic), checkpointed: each layer's input + the layer being recomputed
+        body = per_token["fp32_checkpointed"][0] + body / model.config.num_hidden_layers
+    largest = max(shapes, key=lambda s: 2 * body * s[0] * s[1] + head * s[2])  # rows, padded columns, trained
+    activations = 2 * body * largest[0] * largest[1] + head * largest[2]
     return {"fixed_gib": fixed / GIB, "activations_gib": activations / GIB, "baseline_gib": base,
             "engine_gib": resident, "update_gib": (fixed + activations) / GIB + base + resident,
-            "largest_micro_batch": max(shapes, key=lambda s: s[0] * s[1])}  # fmt: skip
+            "largest_micro_batch": largest}  # fmt: skip
 
 
 def main(argv=None) -> None:
