@@ -109,8 +109,12 @@ def run(script: str, model: str, engine: str, flags: list[str], out: Path) -> di
     env = dict(os.environ, SHAPES_FILE=str(out.parent / f"{out.name}.shapes"))
     t0 = time.time()
     done = subprocess.run(command(script, model, engine, flags, out), cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        return {"failed": f"exit {done.returncode}: {done.stderr[-3000:]}"}
+    if done.returncode:  # what it logged before it died (exit -9: the kernel's out-of-memory killer)
+        logged = [
+            {k: v for k, v in r.items() if k.startswith(("memory_gb/", "timing_s/"))}
+            for r in (rows_of(out) if (out / "metrics.jsonl").exists() else [])
+        ]
+        return {"failed": f"exit {done.returncode}: {done.stderr[-1500:]}", "logged": logged}
     shapes = [json.loads(line) for line in Path(env["SHAPES_FILE"]).read_text().splitlines()]
     return {"rows": rows_of(out), "shapes": shapes, "wall_s": round(time.time() - t0, 1)}
 
@@ -151,7 +155,8 @@ with mock.patch.dict(ss.SETTINGS, vllm_dtype="float32"):
 batch = json.loads(sys.argv[2])
 params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
 outs = llm.generate([vllm.TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
-print(json.dumps([[lp[i].logprob for lp, i in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, batch)]))"""
+got = [[lp[i].logprob for lp, i in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, batch)]
+print("LOGPROBS", json.dumps(got), flush=True)"""
 
 
 def fixed_batch(tok) -> list[list[int]]:
@@ -198,7 +203,8 @@ def merge_check(checkpoint: Path, engines: list[str]) -> dict:
                               capture_output=True, text=True)  # fmt: skip
         if done.returncode:
             return {**result, "failed": f"vLLM on the merged model: exit {done.returncode}: {done.stderr[-3000:]}"}
-        result["vllm_max_abs_diff"] = gap(json.loads(done.stdout.strip().splitlines()[-1]))
+        line = next(line for line in done.stdout.splitlines() if line.startswith("LOGPROBS "))
+        result["vllm_max_abs_diff"] = gap(json.loads(line.split(" ", 1)[1]))
     return result
 
 
@@ -282,6 +288,7 @@ def main(argv=None) -> None:
                     if "failed" in done:
                         result["runs"][key] = done
                         print(done["failed"], flush=True)
+                        write_result(out, {**result, "machine": machine(load)})
                         continue
                     train = [r for r in done["rows"] if r["step"] > 0]
                     entry = {
