@@ -11,7 +11,8 @@ Measured (one row of T tokens, the last half of them trained, as a reply is; --p
     float32 logits, their log-softmax and the entropy's softmax, over a 151,936-word vocabulary).
 Both are linear in the tokens (two lengths are measured and the slope is reported; attention keeps O(T) with the
 fused kernels). The plan adds what does not depend on the batch: float32 master weights (4 bytes a parameter),
-gradients and AdamW's two moments for what trains (12 bytes), a critic for GAE (its own copy), the vLLM engine's
+gradients and AdamW's two moments for what trains (12 bytes), the backward pass's transient gradients of a trained
+vocabulary table (table_transient), a critic for GAE (its own copy), the vLLM engine's
 share of the card (--vllm-gpu-memory-utilization, 0.4), and prices one micro-batch of rows at the longest a row can
 be (--max-model-len 3600, 2,000 of them trained: 5 turns of 400): the worst case, which is what runs out of memory.
 Computed, not measured on a GPU: bench/gpu_smoke.py measures the first rows when a GPU is lent.
@@ -142,6 +143,14 @@ OPTIONS = (  # tried in this order: the first that fits one row sets the command
 )
 
 
+def table_transient(vocab: int, hidden: int, trained: bool) -> int:
+    """Bytes a backward pass holds for a trained vocabulary table beyond its gradient: the LM head's and the
+    embedding's float32 gradients of the tied table and their sum, while the accumulated gradient exists (3 tables;
+    bench/rehearsal.py measured the update 18% over the plan without them, RESULTS 2026-12-07 (rehearsal)). LoRA
+    freezes the table: none."""
+    return 3 * vocab * hidden * 4 if trained else 0
+
+
 def plan(measured: dict, card_gib: float, utilization: float = 0.4) -> list[dict]:
     """For each model, full or LoRA (rank 64), GAE (a critic) or GRPO: the fixed memory, one worst-case row's
     activations, and the most such rows per micro-batch beside the vLLM engine: awake (0.4 of the card) or asleep
@@ -151,13 +160,14 @@ def plan(measured: dict, card_gib: float, utilization: float = 0.4) -> list[dict
     layers0 = QWEN["0.5B"][2]
     for name in QWEN:
         n = parameters(name)
-        h, _, layers, *_ = QWEN[name]
+        h, _, layers, _, _, vocab, _ = QWEN[name]
         scale = (h * layers) / (QWEN["0.5B"][0] * layers0)  # activations grow with hidden size x layers
         for lora in (False, True):
             for critic in (True, False):
                 models = n["total"] + (n["body"] if critic else 0)
                 trains = n["lora_r64"] * (2 if critic else 1) if lora else models
                 fixed = 4 * models + 12 * trains + 2 * models  # fp32 weights; grads + AdamW; autocast's bf16 copies
+                fixed += table_transient(vocab, h, not lora)  # the update's, whatever the batch
                 plain, head = measured["bf16"]
                 ckpt = measured["bf16_checkpointed"][0] + plain / layers0  # + the layer being recomputed
                 per_row = {

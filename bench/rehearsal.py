@@ -71,22 +71,30 @@ sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")"""
 
 
+def sized_config(quick: bool):
+    """Qwen2.5-0.5B-Instruct's configuration (hidden 64 x 2 layers with --quick, the vocabulary kept)."""
+    from transformers import Qwen2Config
+
+    hidden, mlp, layers, heads, kv, vocab, tied = memory_plan.QWEN["0.5B"]
+    if quick:
+        hidden, mlp, layers, heads, kv = 64, 128, 2, 2, 1
+    return Qwen2Config(
+        hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=32768,
+        rope_theta=1e6,
+    )  # fmt: skip
+
+
 def build_model(out: Path, quick: bool) -> tuple[str, int, int]:
     """Qwen2.5-0.5B-Instruct's architecture (hidden 64 x 2 layers with --quick), random, the tiny tokenizer inside."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     tiny = plumbing.tiny.build_tiny_model(
         "sokoban", ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"])), **ss.TINY_BUILD
     )
     tok = AutoTokenizer.from_pretrained(tiny)
-    hidden, mlp, layers, heads, kv, vocab, tied = memory_plan.QWEN["0.5B"]
-    if quick:
-        hidden, mlp, layers, heads, kv = 64, 128, 2, 2, 1
-    config = Qwen2Config(
-        hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=32768,
-        rope_theta=1e6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+    config = sized_config(quick)
+    config.eos_token_id, config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(out)
@@ -216,24 +224,22 @@ def baseline_gib(script: str, engine: str) -> float:
     return float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout)
 
 
-def predicted_update_gib(
-    model_path: str, flags: list[str], shapes: list[list[int]], per_token: dict, base: float, engine: str
-):
+def predicted_update_gib(config, flags: list[str], shapes: list[list[int]], per_token: dict, base: float, engine: str):
     """The plan's update at the sizes that ran: fixed (float32 weights 4 B, gradients + AdamW 12 B per trained
-    parameter; the critic, GAE's, a second body) + the largest micro-batch's activations (bench/memory_plan.plan's
+    parameter; the critic, GAE's, a second body; a trained table's transient gradients) + the largest micro-batch's activations (bench/memory_plan.plan's
     row: both bodies, the head on its trained tokens) + the process's baseline
     + with vLLM its engine in the same process (its bf16 weights and the KV cache the scripts reserve on a CPU)."""
-    from transformers import AutoConfig, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(AutoConfig.from_pretrained(model_path))
+        model = Qwen2ForCausalLM(config)
     total = sum(p.numel() for p in model.parameters())
     body = sum(p.numel() for p in model.base_model.parameters())
     linear = [m for m in model.base_model.modules() if isinstance(m, torch.nn.Linear)]
     lora = "--lora-rank" in flags
     models = total + body  # the policy and the critic (--preset paper: GAE)
     trains = 2 * sum(64 * (m.in_features + m.out_features) for m in linear) if lora else models
-    fixed = 4 * models + 12 * trains
+    fixed = 4 * models + 12 * trains + memory_plan.table_transient(config.vocab_size, config.hidden_size, not lora)
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))  # GiB, the scripts' default on a CPU
     resident = (2 * total / GIB + kv) if engine == "vllm" else 0.0
     body, head = per_token["fp32"]  # as the plan prices a row: both bodies (one backward serves the policy and the
@@ -246,6 +252,24 @@ def predicted_update_gib(
             "largest_micro_batch": largest}  # fmt: skip
 
 
+def reprice(out: Path) -> None:
+    """Each run's prediction from its recorded largest micro-batch, the bytes per token and the floor, priced by the
+    plan as it is now (the runs cost minutes; the prediction is arithmetic)."""
+    result = json.loads(out.read_text())
+    per_token = {k: (v["body"], v["head_per_trained"]) for k, v in result["bytes_per_token"].items()}
+    for key, entry in result["runs"].items():
+        if "predicted" in entry:
+            _, engine, name = key.split("/")
+            p, was = entry["predicted"], entry["predicted"]["update_gib"]
+            predicted = predicted_update_gib(sized_config(result["model"]["quick"]), CONFIGS[name],
+                                             [p["largest_micro_batch"]], per_token, p["baseline_gib"], engine)  # fmt: skip
+            entry["predicted"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in predicted.items()}
+            entry["measured_over_predicted"] = round(entry["memory_gb"]["update"] / predicted["update_gib"], 3)
+            print(f"{key}: predicted {was} -> {entry['predicted']['update_gib']} GiB", flush=True)
+    result["commands"].append("python bench/rehearsal.py --reprice")
+    write_result(out, result)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="hidden 64 x 2 layers (Qwen's vocabulary kept): a check")
@@ -256,9 +280,12 @@ def main(argv=None) -> None:
         help="default: full_critic for every script, and all three on starpo_sokoban.py (the paper's main task)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="default bench/results/rehearsal[_quick].json")
+    ap.add_argument("--reprice", action="store_true", help="run nothing: each run's prediction, computed again")
     a = ap.parse_args(argv)
     load = os.getloadavg()
     out = Path(a.out or ROOT / "bench" / "results" / f"rehearsal{'_quick' if a.quick else ''}.json")
+    if a.reprice:
+        return reprice(out)
     result = {"commands": ["python bench/rehearsal.py " + " ".join(argv if argv is not None else sys.argv[1:])],
               "torch": torch.__version__, "runs": {}}  # fmt: skip
     earlier = json.loads(out.read_text()) if out.exists() else {}
@@ -300,7 +327,9 @@ def main(argv=None) -> None:
                         "memory_gb": {k.split("/", 1)[1]: round(max(r[k] for r in train if k in r), 2)
                                       for k in sorted({k for r in train for k in r if k.startswith("memory_gb/")})},
                     }  # fmt: skip
-                    predicted = predicted_update_gib(model, flags, done["shapes"], per_token, base, engine)
+                    predicted = predicted_update_gib(
+                        sized_config(a.quick), flags, done["shapes"], per_token, base, engine
+                    )
                     entry["predicted"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in predicted.items()}
                     entry["measured_over_predicted"] = round(
                         entry["memory_gb"].get("update", 0) / predicted["update_gib"], 3

@@ -45,7 +45,10 @@ def test_the_plan_takes_the_first_option_that_fits_one_row():
     default = rows[("0.5B", False, True)]
     n = mp.parameters("0.5B")
     models = n["total"] + n["body"]
-    assert default["fixed_gib"] == round((4 + 12 + 2) * models / 2**30, 1)  # weights, grads + AdamW, bf16 copies
+    table = 3 * 151_936 * 896 * 4  # the tied table's two transient gradients and their sum, float32
+    assert default["fixed_gib"] == round(((4 + 12 + 2) * models + table) / 2**30, 1)  # weights, grads + AdamW, bf16
+    lora = rows[("0.5B", True, True)]
+    assert lora["fixed_gib"] == round((6 * models + 12 * 2 * n["lora_r64"]) / 2**30, 1)  # a frozen table: no transient
     assert default["rows_per_micro_batch"]["as is"] >= 1 and default["command"].endswith(
         f"--micro-batch-size {default['rows_per_micro_batch']['as is']}"
     )
