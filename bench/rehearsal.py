@@ -50,7 +50,10 @@ import starpo_sokoban as ss  # noqa: E402
 from harness import machine, write_result  # noqa: E402
 
 SCRIPTS = ("starpo_bandit.py", "starpo_frozenlake.py", "starpo_sokoban.py")
-CONFIGS = {"full_critic": [], "lora64": ["--lora-rank", "64"], "checkpointing": ["--gradient-checkpointing"]}
+CONFIGS = {"full_critic": [], "lora64": ["--lora-rank", "64"], "checkpointing": ["--gradient-checkpointing"],
+           "full_grpo": ["--estimator", "grpo"]}  # fmt: skip
+# full_grpo: every weight trains and is pushed, without the critic, whose run beside vLLM's engine needs more than
+# this 23 GiB machine holds (RESULTS 2026-12-07 (rehearsal))
 SMALL = ["--preset", "paper", "--steps", "2", "--eval-every", "0", "--val-size", "4", "--n-groups", "2",
          "--group-size", "2", "--max-tokens", "32", "--mi-every", "0", "--sample-every", "0", "--save-every", "1",
          "--micro-batch-size", "1"]  # fmt: skip
@@ -236,17 +239,17 @@ def predicted_update_gib(config, flags: list[str], shapes: list[list[int]], per_
     total = sum(p.numel() for p in model.parameters())
     body = sum(p.numel() for p in model.base_model.parameters())
     linear = [m for m in model.base_model.modules() if isinstance(m, torch.nn.Linear)]
-    lora = "--lora-rank" in flags
-    models = total + body  # the policy and the critic (--preset paper: GAE)
-    trains = 2 * sum(64 * (m.in_features + m.out_features) for m in linear) if lora else models
+    lora, critic = "--lora-rank" in flags, "grpo" not in flags
+    models = total + body * critic  # the policy and the critic (--preset paper: GAE)
+    trains = (1 + critic) * sum(64 * (m.in_features + m.out_features) for m in linear) if lora else models
     fixed = 4 * models + 12 * trains + memory_plan.table_transient(config.vocab_size, config.hidden_size, not lora)
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))  # GiB, the scripts' default on a CPU
     resident = (2 * total / GIB + kv) if engine == "vllm" else 0.0
     body, head = per_token["fp32"]  # as the plan prices a row: both bodies (one backward serves the policy and the
     if "--gradient-checkpointing" in flags:  # critic), checkpointed: each layer's input + the layer being recomputed
         body = per_token["fp32_checkpointed"][0] + body / model.config.num_hidden_layers
-    largest = max(shapes, key=lambda s: 2 * body * s[0] * s[1] + head * s[2])  # rows, padded columns, trained
-    activations = 2 * body * largest[0] * largest[1] + head * largest[2]
+    largest = max(shapes, key=lambda s: (1 + critic) * body * s[0] * s[1] + head * s[2])  # rows, columns, trained
+    activations = (1 + critic) * body * largest[0] * largest[1] + head * largest[2]
     return {"fixed_gib": fixed / GIB, "activations_gib": activations / GIB, "baseline_gib": base,
             "engine_gib": resident, "update_gib": (fixed + activations) / GIB + base + resident,
             "largest_micro_batch": largest}  # fmt: skip
@@ -335,7 +338,7 @@ def main(argv=None) -> None:
                         entry["memory_gb"].get("update", 0) / predicted["update_gib"], 3
                     )
                     out_dir = Path(tmp) / key.replace("/", "-")
-                    if name == "full_critic":
+                    if name.startswith("full"):
                         entry["resume"] = killed_and_resumed(
                             script, model, engine, flags, Path(tmp) / (key.replace("/", "-") + "-killed"), done["rows"]
                         )

@@ -43,3 +43,16 @@ def test_the_prediction_prices_two_models_and_the_largest_micro_batch(flags, tra
     table = 3 * 512 * 64 * 4 if trains_critic else 0  # a trained table's transient gradients (LoRA freezes it)
     assert p["fixed_gib"] * 2**30 == pytest.approx(4 * models + 12 * trained + table)
     assert p["update_gib"] == pytest.approx(p["fixed_gib"] + p["activations_gib"] + 0.5)
+
+
+def test_without_the_critic_one_body_is_priced():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    per_token = {"fp32": (1000.0, 300.0)}
+    both = rehearsal.predicted_update_gib(config, [], [[2, 40, 8]], per_token, 0.5, "hf")
+    grpo = rehearsal.predicted_update_gib(config, ["--estimator", "grpo"], [[2, 40, 8]], per_token, 0.5, "hf")
+    assert grpo["activations_gib"] * 2**30 == pytest.approx(1000 * 80 + 300 * 8)
+    table = 3 * 512 * 64 * 4
+    assert (grpo["fixed_gib"] * 2**30 - table) * 2 == pytest.approx(both["fixed_gib"] * 2**30 - table, rel=0.01)
