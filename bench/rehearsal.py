@@ -319,6 +319,7 @@ def main(argv=None) -> None:
                         result["runs"][key] = done
                         print(done["failed"], flush=True)
                         write_result(out, {**result, "machine": machine(load)})
+                        shutil.rmtree(Path(tmp) / key.replace("/", "-"), ignore_errors=True)  # its checkpoints
                         continue
                     train = [r for r in done["rows"] if r["step"] > 0]
                     entry = {
