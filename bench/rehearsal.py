@@ -67,7 +67,8 @@ real, out = u.micro_batches, open(os.environ["SHAPES_FILE"], "a")
 def recorded(*a, **k):
     for mb, w in real(*a, **k):
         trained = mb["loss_mask"].sum() if "loss_mask" in mb else mb["reply_ids"].numel()  # the bandit: its replies
-        out.write(json.dumps([len(mb["idx"]), int(mb["cols"]), int(trained)]) + "\\n"); out.flush()
+        cols = int(mb["cols"]) + (mb["prompt_ids"].shape[1] if "prompt_ids" in mb else 0)  # the bandit's prompt too
+        out.write(json.dumps([len(mb["idx"]), cols, int(trained)]) + "\\n"); out.flush()
         yield mb, w
 u.micro_batches = recorded
 sys.argv = sys.argv[1:]
