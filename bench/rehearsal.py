@@ -9,17 +9,19 @@ The model: Qwen2.5-0.5B-Instruct's configuration (24 layers, hidden 896, 14 head
 rows, tied), random weights (seed 0), with the tiny Sokoban model's tokenizer inside it. Rows past the tokenizer's
 last id have no token, as in Qwen's own model (151,665 tokens for 151,936 rows); a random model samples them.
 Each run is a script at RAGEN's settings (--preset paper) for 2 steps at a small batch (SMALL). Per script and engine:
-  * full fine-tuning with the critic (RAGEN's default), --lora-rank 64 and --gradient-checkpointing (CONFIGS): s/step,
+  * full fine-tuning with the critic (RAGEN's default), --lora-rank 64, --gradient-checkpointing, and full fine-tuning
+    without the critic (CONFIGS; the vLLM runs, where the critic's does not fit 23 GiB): s/step,
     the sampler/trainer log-prob gap after each weight push (rollout/logprob_diff_*; 0 by construction on hf, whose
     sampler is the trainer) and memory_gb/<phase>;
-  * kill -9 once step 1's checkpoint is complete, then --resume: step 2 as in the uninterrupted run (the metrics
+  * full fine-tuning: kill -9 once step 1's checkpoint is complete, then --resume: step 2 as in the uninterrupted run (the metrics
     plumbing.dist.differing_metrics compares: none may differ);
   * tools/merge_lora.py on the LoRA run's last checkpoint, loaded back by transformers and by vLLM: the log-probs of
     a fixed batch against the adapters' (max |difference|).
 The memory plan (bench/memory_plan.py): its bytes per token, measured here on this model, priced for the update as it
-ran (each micro-batch's rows x columns, recorded by a wrapper around plumbing.update.micro_batches; float32 on a CPU,
-no autocast copies) plus its fixed memory (weights, gradients, AdamW) and the process before any model (torch and
-transformers imported), beside memory_gb/update, the update's peak resident memory.
+ran (each micro-batch's rows, columns and trained tokens, recorded by a wrapper around plumbing.update.micro_batches;
+float32 on a CPU, no autocast copies) plus its fixed memory (weights, gradients, AdamW, a trained table's transient
+gradients) and the process before any model (a fresh one that imported the script), beside memory_gb/update, the
+update's peak resident memory.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ SMALL = ["--preset", "paper", "--steps", "2", "--eval-every", "0", "--val-size",
 # (one row a micro-batch: with the critic the full size needs ~20 GB of this machine's 23)
 GIB = 2**30
 
-# Run SCRIPT's main with plumbing.update.micro_batches wrapped: each micro-batch's (rows, columns) go to SHAPES_FILE.
+# Run SCRIPT's main with plumbing.update.micro_batches wrapped: each micro-batch's [rows, columns, trained tokens] go
+# to SHAPES_FILE.
 WRAPPED = """import json, os, runpy, sys
 import plumbing.update as u
 real, out = u.micro_batches, open(os.environ["SHAPES_FILE"], "a")
@@ -76,7 +79,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")"""
 
 
 def sized_config(quick: bool):
-    """Qwen2.5-0.5B-Instruct's configuration (hidden 64 x 2 layers with --quick, the vocabulary kept)."""
+    """Qwen2.5-0.5B-Instruct's configuration (hidden 64 x 2 layers with --quick, the vocabulary kept). Built whole,
+    not by editing memory_plan.qwen_config's: Qwen2Config derives rope_parameters and layer_types at init."""
     from transformers import Qwen2Config
 
     hidden, mlp, layers, heads, kv, vocab, tied = memory_plan.QWEN["0.5B"]
@@ -256,6 +260,18 @@ def predicted_update_gib(config, flags: list[str], shapes: list[list[int]], per_
             "largest_micro_batch": largest}  # fmt: skip
 
 
+def price(entry: dict, predicted: dict) -> None:
+    """The run's prediction (GiB, 2 decimals) and its measured update over it."""
+    entry["predicted"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in predicted.items()}
+    entry["measured_over_predicted"] = round(entry["memory_gb"].get("update", 0) / predicted["update_gib"], 3)
+
+
+def discard(out_dir: Path) -> None:
+    """A run's directory, its killed twin and shapes file: a full-size run's checkpoints are ~12 GB each."""
+    for d in out_dir.parent.glob(out_dir.name + "*"):
+        shutil.rmtree(d) if d.is_dir() else d.unlink()
+
+
 def reprice(out: Path) -> None:
     """Each run's prediction from its recorded largest micro-batch, the bytes per token and the floor, priced by the
     plan as it is now (the runs cost minutes; the prediction is arithmetic)."""
@@ -265,10 +281,8 @@ def reprice(out: Path) -> None:
         if "predicted" in entry:
             _, engine, name = key.split("/")
             p, was = entry["predicted"], entry["predicted"]["update_gib"]
-            predicted = predicted_update_gib(sized_config(result["model"]["quick"]), CONFIGS[name],
-                                             [p["largest_micro_batch"]], per_token, p["baseline_gib"], engine)  # fmt: skip
-            entry["predicted"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in predicted.items()}
-            entry["measured_over_predicted"] = round(entry["memory_gb"]["update"] / predicted["update_gib"], 3)
+            price(entry, predicted_update_gib(sized_config(result["model"]["quick"]), CONFIGS[name],
+                                              [p["largest_micro_batch"]], per_token, p["baseline_gib"], engine))  # fmt: skip
             print(f"{key}: predicted {was} -> {entry['predicted']['update_gib']} GiB", flush=True)
     result["commands"].append("python bench/rehearsal.py --reprice")
     write_result(out, result)
@@ -315,12 +329,13 @@ def main(argv=None) -> None:
                 for name in a.configs or (list(CONFIGS) if script == "starpo_sokoban.py" else ["full_critic"]):
                     key, flags = f"{script}/{engine}/{name}", CONFIGS[name]
                     print(f"[rehearsal] {key}", flush=True)
-                    done = run(script, model, engine, flags, Path(tmp) / key.replace("/", "-"))
+                    out_dir = Path(tmp) / key.replace("/", "-")
+                    done = run(script, model, engine, flags, out_dir)
                     if "failed" in done:
                         result["runs"][key] = done
                         print(done["failed"], flush=True)
                         write_result(out, {**result, "machine": machine(load)})
-                        shutil.rmtree(Path(tmp) / key.replace("/", "-"), ignore_errors=True)  # its checkpoints
+                        discard(out_dir)
                         continue
                     train = [r for r in done["rows"] if r["step"] > 0]
                     entry = {
@@ -332,23 +347,15 @@ def main(argv=None) -> None:
                         "memory_gb": {k.split("/", 1)[1]: round(max(r[k] for r in train if k in r), 2)
                                       for k in sorted({k for r in train for k in r if k.startswith("memory_gb/")})},
                     }  # fmt: skip
-                    predicted = predicted_update_gib(
-                        sized_config(a.quick), flags, done["shapes"], per_token, base, engine
-                    )
-                    entry["predicted"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in predicted.items()}
-                    entry["measured_over_predicted"] = round(
-                        entry["memory_gb"].get("update", 0) / predicted["update_gib"], 3
-                    )
-                    out_dir = Path(tmp) / key.replace("/", "-")
+                    price(entry, predicted_update_gib(sized_config(a.quick), flags, done["shapes"], per_token, base,
+                                                      engine))  # fmt: skip
                     if name.startswith("full"):
-                        entry["resume"] = killed_and_resumed(
-                            script, model, engine, flags, Path(tmp) / (key.replace("/", "-") + "-killed"), done["rows"]
-                        )
+                        killed = out_dir.with_name(out_dir.name + "-killed")
+                        entry["resume"] = killed_and_resumed(script, model, engine, flags, killed, done["rows"])
                     if name == "lora64":
                         entry["merge"] = merge_check(out_dir / "checkpoints" / "step-000002", a.engines)
                     result["runs"][key] = entry
-                    for d in Path(tmp).glob(key.replace("/", "-") + "*"):  # a full-size run's checkpoints: ~12 GB each
-                        shutil.rmtree(d) if d.is_dir() else d.unlink()
+                    discard(out_dir)
                     print(json.dumps(entry)[:600], flush=True)
                     write_result(out, {**result, "machine": machine(load)})
     write_result(out, {**result, "machine": machine(load)})
