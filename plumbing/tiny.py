@@ -38,8 +38,9 @@ TINY_VERSION = 2  # bump when the recipe changes so stale caches are rebuilt
 
 
 # The multi-turn tiny models ship with the repository (tiny/, written by `python tools/ship_tiny.py`): their builds
-# take 6-10 minutes on two cores; the bandit's, 1.5 minutes, happens on first use. A shipped model is used only
-# when its name carries the key of today's recipe and warm-up data, so an edited prompt still builds its own.
+# take 30-40 minutes on two cores; the bandit's, 1.5 minutes, happens on first use. A shipped model is used only
+# when its name carries the key of today's recipe and warm-up data (built with any torch), so an edited prompt still
+# builds its own.
 SHIPPED_TINY = Path(__file__).resolve().parents[1] / "tiny"
 
 
@@ -333,7 +334,8 @@ def build_tiny_model(
 
     examples: (chat messages, assistant reply) pairs for the format warm-up. The cache key hashes the examples
     and the recipe, so editing the prompt rebuilds the model; the build is deterministic from `seed`. A build in
-    the cache wins; else one shipped in the repository's tiny/ under the same name; else it is built here.
+    the cache wins; else one shipped in the repository's tiny/ under the same name, or one whose only difference is
+    the torch it was built with (a GPU machine's torch is rarely the CPU wheel's); else it is built here.
     """
     recipe = tiny_recipe(
         seed, vocab_size, hidden_size, num_layers, sft_steps, sft_batch_size, sft_lr, reading_steps, reading_lr
@@ -342,6 +344,11 @@ def build_tiny_model(
     for found in (out, SHIPPED_TINY / out.name):  # a build of your own first, then the repository's
         if (found / "build_info.json").exists():
             return found
+    for info in sorted(SHIPPED_TINY.glob(f"tiny-{name}-*/build_info.json")):  # the same build under another torch
+        made_with = json.loads(info.read_text())["torch"]
+        if info.parent.name == _tiny_folder(name, dict(recipe, torch=made_with), examples):
+            log(f"using {info.parent.name}: today's recipe, built with torch {made_with} ({recipe['torch']} here)")
+            return info.parent
 
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

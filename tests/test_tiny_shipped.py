@@ -59,3 +59,21 @@ def test_an_empty_cache_gets_the_shipped_model_and_an_edited_prompt_does_not(tmp
         "sokoban", examples, **ss.TINY_BUILD
     )
     assert not (tmp_path / "cache").exists()  # nothing was built or copied
+
+
+def test_another_torch_gets_the_shipped_model_built_with_this_one(tmp_path, monkeypatch):
+    """The key holds torch's version, and a GPU machine's torch is rarely the CPU wheel's (vLLM 0.33 pins 2.14.0; the
+    lent GPU has 2.11): there the same recipe and data take the shipped build instead of a 30-minute build."""
+    monkeypatch.setenv("STARPO_CACHE", str(tmp_path / "cache"))
+    shipped_with = torch.__version__.split("+")[0]  # what tiny/'s builds were made with (the fixture checks)
+    monkeypatch.setattr(plumbing.tiny.torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(plumbing.tiny, "cached_reading_stage", lambda *a, **k: pytest.fail("it built the model"))
+    examples = ss.tiny_warmup_examples(ss.Args(**ss.PRESETS["tiny"]))
+    name = plumbing.tiny.tiny_model_name("sokoban", examples, **ss.TINY_BUILD)
+    assert not (plumbing.tiny.SHIPPED_TINY / name).exists()  # the key alone would miss it
+    lines = []
+    found = plumbing.tiny.build_tiny_model("sokoban", examples, **ss.TINY_BUILD, log=lines.append)
+    assert found.parent == plumbing.tiny.SHIPPED_TINY and f"torch {shipped_with} (2.11.0 here)" in lines[0]
+    edited = [(messages, reply + " ") for messages, reply in examples]  # an edited prompt still builds its own
+    with pytest.raises(pytest.fail.Exception, match="built the model"):
+        plumbing.tiny.build_tiny_model("sokoban", edited, **ss.TINY_BUILD, log=lines.append)
