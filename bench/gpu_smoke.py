@@ -1,6 +1,7 @@
 """GPU smoke test, for the day a GPU machine is lent: one command, under 10 minutes, writes bench/results/gpu_smoke.json.
 
-It needs only torch and transformers (no vLLM, no download), so it runs on a bare GPU machine:
+It needs only torch and transformers (no vLLM, no download), so it runs on a bare GPU machine; it says first which
+versions it found and where they fall outside requirements.txt (the lent machine's torch 2.11: RESULTS, GPU day):
   1. each script for a few steps on its embedded tiny model on CUDA (bf16 autocast, fp32 master weights), with its
      s/step and peak GPU memory;
   2. starpo_sokoban.py at RAGEN's batch sizes (8 groups x 16, 400 tokens a turn, 5 turns) on a randomly initialised
@@ -122,6 +123,21 @@ def qwen_sized_model(out: Path, quick: bool) -> str:
     return str(out), sum(p.numel() for p in model.parameters())
 
 
+def versions() -> str:
+    """torch's and transformers' versions here against requirements.txt's ranges, said before anything runs."""
+    import transformers
+    from packaging.requirements import Requirement
+
+    lines = [line for line in (ROOT / "requirements.txt").read_text().splitlines() if line and line[0] != "#"]
+    asked = {r.name: r for r in map(Requirement, lines)}
+    found = {"torch": torch.__version__, "transformers": transformers.__version__}
+    return "; ".join(
+        f"{name} {v}"
+        + ("" if asked[name].specifier.contains(v.split("+")[0]) else f" (requirements.txt: {asked[name]})")
+        for name, v in found.items()
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -130,12 +146,14 @@ def main():
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA device is visible (use --device cpu --quick to check the plumbing)")
+    print(versions(), flush=True)
     small = ["--steps", "2" if a.quick else "4", "--eval-every", "0", "--val-size", "8" if a.quick else "64"]
     if a.quick:
         small += ["--n-groups", "2", "--group-size", "2"]
     result = {
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
         "torch": torch.__version__,
+        "versions": versions(),
         "quick": a.quick,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "tiny": {},

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,6 +20,8 @@ def test_gpu_smoke_quick_on_cpu_runs_every_section(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["quick"] is True
+    assert done.stdout.splitlines()[0] == result["versions"]  # said first: torch's and transformers' versions
+    assert result["versions"].startswith(f"torch {torch.__version__}") and "requirements.txt" not in result["versions"]
     assert set(result["tiny"]) == {"bandit", "frozenlake", "sokoban"}
     runs = [*result["tiny"].values()] + [v for k, v in result.items() if k.startswith("qwen2.5_0.5b_architecture")]
     assert len(runs) == 7  # 3 tiny models, then the Qwen-sized model: plain, LoRA, checkpointing, the 24 GB line
