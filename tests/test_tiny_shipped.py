@@ -77,3 +77,12 @@ def test_another_torch_gets_the_shipped_model_built_with_this_one(tmp_path, monk
     edited = [(messages, reply + " ") for messages, reply in examples]  # an edited prompt still builds its own
     with pytest.raises(pytest.fail.Exception, match="built the model"):
         plumbing.tiny.build_tiny_model("sokoban", edited, **ss.TINY_BUILD, log=lines.append)
+
+
+@pytest.mark.parametrize("task", ["frozenlake", "sokoban"])
+def test_shipped_multi_turn_builds_play_their_pick(task, tmp_path):
+    """tools/ship_tiny.py ships a FrozenLake or Sokoban build only if its answers play its think's pick (RESULTS
+    2026-12-08: a Sokoban build that played it on 0.76 of these turns did not learn RL); the shipped ones do."""
+    examples, recipe = ship_tiny.default_build(task, str(tmp_path / "run"))
+    model = plumbing.tiny.SHIPPED_TINY / plumbing.tiny.tiny_model_name(task, examples, **recipe)
+    assert ship_tiny.plays_pick(task, model) >= ship_tiny.PLAYS_PICK

@@ -11,6 +11,11 @@ takes a few minutes (its build_seconds). The bandit's own model (1.5 minutes) is
     python tools/ship_tiny.py --task sokoban # one task's model (Sokoban's: about 30 minutes)
     python tools/ship_tiny.py --task bandit-judge --task bandit-judge-gullible   # the judges
 
+A FrozenLake or Sokoban build ships only if its greedy answers play the think's pick (the warm-up's one copy: "...
+wall Up. to Down" then <answer> Down </answer>) on PLAYS_PICK of 200 held-out first turns (bench/tiny_probe.py's
+world probe): a warm-up can end on the plateau before that copy forms (loss ~0.13 where a formed one ends ~0.06),
+and such a build did not learn RL (RESULTS 2026-12-08).
+
 Run it after changing a multi-turn script's warm-up, its TINY_BUILD, the bandit's tiny_judge_examples or
 TINY_JUDGE, or plumbing.tiny.TINY_VERSION: tests/test_tiny_shipped.py fails until you do. It replaces the task's
 older shipped builds and rewrites tiny/SHA256SUMS.
@@ -31,8 +36,12 @@ sys.path.insert(0, str(ROOT))
 import plumbing.flags  # noqa: E402
 import plumbing.tiny  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+import tiny_probe  # noqa: E402
+
 TASKS = ("frozenlake", "sokoban", "bandit-judge", "bandit-judge-gullible")  # the bandit's tiny judges: --judge tiny*
 MAX_MODEL_BYTES = 16 * 2**20  # what a shipped model.safetensors may weigh
+PLAYS_PICK = 0.8  # a multi-turn build's answers must play their think's pick this often (greedy, held-out first turns)
 
 
 def default_build(task: str, scratch: str) -> tuple[list, dict]:
@@ -50,6 +59,11 @@ def default_build(task: str, scratch: str) -> tuple[list, dict]:
             sys.exit(f"error: starpo_bandit.tiny_judge_build names {build!r} for the task {task!r}")
         return examples, recipe
     return script.tiny_warmup_examples(args), script.TINY_BUILD
+
+
+def plays_pick(task: str, model: Path) -> float:
+    """The share of 200 held-out first turns on which the model's greedy answer plays its think's pick."""
+    return tiny_probe.world_probe(task, 200, 0, outcomes=True, model_dir=str(model))["answer_copies_pick"]
 
 
 def shipped(task: str, root: Path = ROOT / "tiny") -> list[Path]:
@@ -85,6 +99,11 @@ def main() -> None:
                 sys.exit(
                     f"error: {built.name} weighs {size / 2**20:.1f} MB, over the {MAX_MODEL_BYTES >> 20} MB allowed"
                 )
+            if task in ("frozenlake", "sokoban"):  # the warm-up always plays its pick; RL steers by the pick's word
+                plays = plays_pick(task, built)
+                print(f"{built.name}: the answer plays the think's pick on {plays:.2f} of 200 held-out first turns")
+                if plays < PLAYS_PICK:  # RESULTS 2026-12-08: such a build did not learn Sokoban
+                    sys.exit(f"error: {built.name} plays its pick on {plays:.2f} (< {PLAYS_PICK}): not shipped")
             target = ROOT / "tiny" / built.name
             for old in shipped(task):
                 if old != target:
