@@ -146,14 +146,15 @@ def main():
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA device is visible (use --device cpu --quick to check the plumbing)")
-    print(versions(), flush=True)
+    found = versions()
+    print(found, flush=True)
     small = ["--steps", "2" if a.quick else "4", "--eval-every", "0", "--val-size", "8" if a.quick else "64"]
     if a.quick:
         small += ["--n-groups", "2", "--group-size", "2"]
     result = {
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "versions": versions(),
+        "versions": found,
         "quick": a.quick,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "tiny": {},

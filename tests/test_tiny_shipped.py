@@ -27,7 +27,7 @@ def shipped_torch() -> set:
 
 @pytest.fixture(autouse=True)
 def same_torch():
-    if shipped_torch() != {torch.__version__.split("+")[0]}:  # the key holds torch's version: others build their own
+    if shipped_torch() != {torch.__version__.split("+")[0]}:  # the key holds torch's version: tiny/'s names are its
         pytest.skip(f"tiny/ holds builds made with torch {sorted(shipped_torch())}; this is torch {torch.__version__}")
 
 
@@ -79,7 +79,7 @@ def test_another_torch_gets_the_shipped_model_built_with_this_one(tmp_path, monk
         plumbing.tiny.build_tiny_model("sokoban", edited, **ss.TINY_BUILD, log=lines.append)
 
 
-@pytest.mark.parametrize("task", ["frozenlake", "sokoban"])
+@pytest.mark.parametrize("task", list(ship_tiny.tiny_probe.TASKS))
 def test_shipped_multi_turn_builds_play_their_pick(task, tmp_path):
     """tools/ship_tiny.py ships a FrozenLake or Sokoban build only if its answers play its think's pick (RESULTS
     2026-12-08: a Sokoban build that played it on 0.76 of these turns did not learn RL); the shipped ones do."""

@@ -42,6 +42,7 @@ import tiny_probe  # noqa: E402
 TASKS = ("frozenlake", "sokoban", "bandit-judge", "bandit-judge-gullible")  # the bandit's tiny judges: --judge tiny*
 MAX_MODEL_BYTES = 16 * 2**20  # what a shipped model.safetensors may weigh
 PLAYS_PICK = 0.8  # a multi-turn build's answers must play their think's pick this often (greedy, held-out first turns)
+PROBE_TURNS = 200  # the held-out first turns plays_pick reads
 
 
 def default_build(task: str, scratch: str) -> tuple[list, dict]:
@@ -62,8 +63,8 @@ def default_build(task: str, scratch: str) -> tuple[list, dict]:
 
 
 def plays_pick(task: str, model: Path) -> float:
-    """The share of 200 held-out first turns on which the model's greedy answer plays its think's pick."""
-    return tiny_probe.world_probe(task, 200, 0, outcomes=True, model_dir=str(model))["answer_copies_pick"]
+    """The share of PROBE_TURNS held-out first turns on which the model's greedy answer plays its think's pick."""
+    return tiny_probe.world_probe(task, PROBE_TURNS, 0, outcomes=True, model_dir=str(model))["answer_copies_pick"]
 
 
 def shipped(task: str, root: Path = ROOT / "tiny") -> list[Path]:
@@ -99,9 +100,9 @@ def main() -> None:
                 sys.exit(
                     f"error: {built.name} weighs {size / 2**20:.1f} MB, over the {MAX_MODEL_BYTES >> 20} MB allowed"
                 )
-            if task in ("frozenlake", "sokoban"):  # the warm-up always plays its pick; RL steers by the pick's word
+            if task in tiny_probe.TASKS:  # multi-turn: the warm-up always plays its pick; RL steers by its word
                 plays = plays_pick(task, built)
-                print(f"{built.name}: the answer plays the think's pick on {plays:.2f} of 200 held-out first turns")
+                print(f"{built.name}: the answer plays the think's pick on {plays:.2f} of {PROBE_TURNS} first turns")
                 if plays < PLAYS_PICK:  # RESULTS 2026-12-08: such a build did not learn Sokoban
                     sys.exit(f"error: {built.name} plays its pick on {plays:.2f} (< {PLAYS_PICK}): not shipped")
             target = ROOT / "tiny" / built.name
